@@ -1,0 +1,109 @@
+"""Binds a call's Python arguments to parameter values, and writes results back.
+
+Shared by the gRPC Client and the in-process LocalClient: one place decides how a
+NumPy array, a list or a scalar becomes an aclnn parameter, and how a result lands
+in the caller's preallocated output.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .errors import AclnnError, Status, invalid_error
+from .tensor import BoolArray, IntArray, Tensor, Value, tensor_from_array
+from .types import numpy_dtype
+
+
+def to_value(name: str, arg: Any) -> Value:
+    """The parameter value for one Python argument (None is a null pointer)."""
+    if arg is None or isinstance(arg, (Tensor, str)):
+        return arg
+    if isinstance(arg, np.ndarray):
+        try:
+            return tensor_from_array(arg)
+        except TypeError as exc:
+            raise invalid_error(name, str(exc)) from None
+    if isinstance(arg, (bool, np.bool_)):
+        return bool(arg)
+    if isinstance(arg, (int, np.integer)):
+        return int(arg)
+    if isinstance(arg, (float, np.floating)):
+        return float(arg)
+    if isinstance(arg, (list, tuple)):
+        if arg and all(isinstance(v, (bool, np.bool_)) for v in arg):
+            return BoolArray(bool(v) for v in arg)
+        if all(isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_)) for v in arg):
+            return IntArray(int(v) for v in arg)
+    raise invalid_error(name, f"cannot be sent as an aclnn parameter: {type(arg).__name__} {arg!r:.80}")
+
+
+@dataclass
+class BoundCall:
+    """One operator call: its parameter values, and where its outputs go."""
+
+    op: str
+    values: dict[str, Value]  # every parameter; tensors carry their storage
+    output_targets: dict[str, Any]  # output name -> the caller's ndarray or Tensor
+
+    def descriptors(self) -> dict[str, Value]:
+        """The values without any storage: what validation needs."""
+        return {n: v.without_data() if isinstance(v, Tensor) else v for n, v in self.values.items()}
+
+    def inputs(self) -> dict[str, Tensor]:
+        """Input tensors with their storage, read from the caller's arrays now."""
+        return {n: v for n, v in self.values.items() if isinstance(v, Tensor) and n not in self.output_targets}
+
+    def write_outputs(self, results: Mapping[str, np.ndarray]) -> None:
+        """Writes each result into its output's view; checks every target before writing any."""
+        views = {name: _output_view(name, self.output_targets.get(name), r) for name, r in results.items()}
+        for name, view in views.items():
+            view[...] = results[name]
+
+
+def bind(op: str, params: Mapping[str, Any], output_names: frozenset[str]) -> BoundCall:
+    values = {name: to_value(name, arg) for name, arg in params.items()}
+    targets = {n: params[n] for n in output_names if isinstance(params.get(n), (np.ndarray, Tensor))}
+    # Outputs never ship bytes: the server allocates results and they come back here.
+    for name in targets:
+        values[name] = values[name].without_data()
+    return BoundCall(op, values, targets)
+
+
+def _output_view(name: str, target: Any, result: np.ndarray) -> np.ndarray:
+    """The caller's elements a result is written to, after checking they fit it."""
+    if isinstance(target, np.ndarray):
+        view = target
+    elif isinstance(target, Tensor):
+        view = _storage_view(name, target)
+    else:
+        raise AclnnError(Status.INNER, f"server returned an output {name!r} that was not requested", name)
+    if view.shape != result.shape or view.dtype != result.dtype:
+        raise AclnnError(
+            Status.INNER,
+            f"{name}: result {result.dtype}{list(result.shape)} does not match {view.dtype}{list(view.shape)}",
+            name,
+        )
+    if not view.flags.writeable:
+        raise invalid_error(name, "output array is read-only")
+    return view
+
+
+def _storage_view(name: str, tensor: Tensor) -> np.ndarray:
+    """The view a create_tensor output describes, over its NumPy storage array."""
+    data = tensor.data
+    dtype = numpy_dtype(tensor.data_type)
+    if not isinstance(data, np.ndarray) or not data.flags.c_contiguous or dtype is None:
+        raise invalid_error(name, "an output's data must be a C-contiguous NumPy array")
+    storage = data.reshape(-1).view(np.uint8)
+    # Size-1 dims address nothing; zeroing their strides keeps byte strides in range.
+    strides = [s * dtype.itemsize if d > 1 else 0 for d, s in zip(tensor.view_dims, tensor.strides)]
+    try:
+        return np.ndarray(
+            tensor.view_dims, dtype, buffer=storage, offset=tensor.offset * dtype.itemsize, strides=strides
+        )
+    except (ValueError, TypeError) as exc:
+        raise invalid_error(name, f"output view does not fit its storage array: {exc}") from None

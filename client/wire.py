@@ -1,0 +1,78 @@
+"""Client-side protobuf encoding: parameter values out, results and errors in."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import grpc
+import numpy as np
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
+
+from ._proto import aclnn_pb2 as pb
+from .errors import AclnnError, Status
+from .tensor import BoolArray, IntArray, Tensor, Value, storage_bytes
+from .types import numpy_dtype
+
+
+def encode_tensor(tensor: Tensor) -> pb.Tensor:
+    message = pb.Tensor(
+        data_type=tensor.data_type,
+        format=tensor.format,
+        view_dims=tensor.view_dims,
+        strides=tensor.strides,
+        offset=tensor.offset,
+        storage_dims=tensor.storage_dims,
+    )
+    if tensor.data is not None:
+        message.data = storage_bytes(tensor)
+    return message
+
+
+def encode_value(value: Value) -> pb.Value:
+    """A value as protobuf; None becomes a Value with no kind set (an explicit null)."""
+    if value is None:
+        return pb.Value()
+    if isinstance(value, Tensor):
+        return pb.Value(tensor=encode_tensor(value))
+    if isinstance(value, BoolArray):
+        return pb.Value(bool_array=pb.BoolArray(values=value))
+    if isinstance(value, IntArray):
+        return pb.Value(int_array=pb.IntArray(values=value))
+    if isinstance(value, bool):
+        return pb.Value(bool_value=value)
+    if isinstance(value, int):
+        return pb.Value(int_value=value)
+    if isinstance(value, float):
+        return pb.Value(double_value=value)
+    return pb.Value(string_value=str(value))
+
+
+def encode_call(op: str, values: Mapping[str, Value]) -> pb.OpCall:
+    return pb.OpCall(op=op, params={name: encode_value(v) for name, v in values.items()})
+
+
+def decode_output(output: pb.OutputTensor) -> np.ndarray:
+    """A result array over the message's bytes (read once, no further copy)."""
+    dtype = numpy_dtype(output.data_type)
+    if dtype is None:
+        raise AclnnError(Status.INNER, f"server returned unknown data type {output.data_type}")
+    return np.frombuffer(output.data, dtype=dtype).reshape(tuple(output.dims))
+
+
+def decode_outputs(outputs: Mapping[str, pb.OutputTensor]) -> dict[str, np.ndarray]:
+    return {name: decode_output(out) for name, out in outputs.items()}
+
+
+def decode_error(error: grpc.RpcError) -> AclnnError:
+    """The AclnnError a failed RPC carries in its google.rpc.Status ErrorInfo detail."""
+    status = rpc_status.from_call(error) if isinstance(error, grpc.Call) else None
+    for detail in status.details if status else ():
+        info = error_details_pb2.ErrorInfo()
+        if detail.Unpack(info) and info.domain == "aclnn":
+            code = int(info.metadata.get("status", Status.INNER))
+            return AclnnError(code, status.message, info.metadata.get("param", ""), grpc_code=error.code())
+    code = error.code() if isinstance(error, grpc.Call) else grpc.StatusCode.UNKNOWN
+    details = error.details() if isinstance(error, grpc.Call) else str(error)
+    # Transport failures (server gone, deadline, ...) are runtime errors to the caller.
+    return AclnnError(Status.RUNTIME_ERROR, f"{code.name}: {details}", grpc_code=code)

@@ -1,0 +1,143 @@
+"""The transport-agnostic core: validate, plan, execute. gRPC and LocalClient both call this."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+from aclnn_client.errors import AclnnError, Status, invalid_error
+from aclnn_client.tensor import Value
+
+from .backends import Backend, create_backend
+from .executors import ExecutorStore
+from .ops import OPERATORS
+from .params import CallParams, Kind
+from .registry import Operator, Plan
+
+log = logging.getLogger("aclnn_server")
+
+
+def default_memory_budget() -> int:
+    """Half of physical memory: the most one call's tensors may claim."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
+    except (ValueError, OSError):
+        return 8 << 30
+
+
+class Engine:
+    """Runs aclnn calls on one backend, keeping their executors."""
+
+    def __init__(
+        self,
+        backend: Backend | str = "numpy",
+        *,
+        executor_ttl_s: float = 300.0,
+        max_executors: int = 4096,
+        memory_budget_bytes: int | None = None,
+        max_result_bytes: int | None = None,
+    ) -> None:
+        self.backend = create_backend(backend) if isinstance(backend, str) else backend
+        self.executors = ExecutorStore(executor_ttl_s, max_executors)
+        self.memory_budget_bytes = memory_budget_bytes or default_memory_budget()
+        # A transport that returns results in one message caps their size (None: no cap).
+        self.max_result_bytes = max_result_bytes
+
+    @property
+    def operators(self) -> Mapping[str, Operator]:
+        return OPERATORS
+
+    def get_workspace_size(self, op: str, values: Mapping[str, Value]) -> tuple[int, str]:
+        operator, plan, workspace_size = self._plan(op, values)
+        data = {name: values[name].data for name in plan.inputs if values[name].data is not None}
+        return workspace_size, self.executors.add(operator, plan, workspace_size, data)
+
+    def execute(self, executor_id: str, inputs: Mapping[str, Any]) -> dict[str, np.ndarray]:
+        """Runs an executor; `inputs` holds storage bytes that override those sent with the plan.
+
+        Bad input bytes fail before a single-use executor is spent, so the call can be retried.
+        """
+        entry, args = self.executors.begin_execute(
+            executor_id, lambda e: self._bind_inputs(e.operator, e.plan, e.data, inputs)
+        )
+        return self._compute(entry.operator, entry.plan, args)
+
+    def run(self, op: str, values: Mapping[str, Value]) -> tuple[int, dict[str, np.ndarray]]:
+        operator, plan, workspace_size = self._plan(op, values)
+        args = self._bind_inputs(operator, plan, {name: values[name].data for name in plan.inputs}, {})
+        return workspace_size, self._compute(operator, plan, args)
+
+    def set_executor_repeatable(self, executor_id: str) -> None:
+        self.executors.set_repeatable(executor_id)
+
+    def destroy_executor(self, executor_id: str) -> None:
+        self.executors.destroy(executor_id)
+
+    def _plan(self, op: str, values: Mapping[str, Value]) -> tuple[Operator, Plan, int]:
+        operator = OPERATORS.get(op)
+        if operator is None:
+            raise invalid_error("op", f"unknown operator {op!r}; this server has {', '.join(sorted(OPERATORS))}")
+        unknown = sorted(set(values) - operator.signature.names)
+        if unknown:
+            raise invalid_error(unknown[0], f"{op} has no parameter named {unknown[0]!r}")
+        tensors = operator.signature.checked_tensors(values)
+        plan = operator.validate(CallParams(operator.signature, values, tensors))
+        workspace_size = self.backend.workspace_size(operator, plan)
+        self._check_budget(plan, workspace_size)
+        return operator, plan, workspace_size
+
+    def _check_budget(self, plan: Plan, workspace_size: int) -> None:
+        """A call may not claim more memory than the budget: no allocation sized by a client's whim."""
+        budget = self.memory_budget_bytes
+        for t in [*plan.inputs.values(), *plan.outputs.values()]:
+            if t.numel * t.dtype.itemsize > budget:
+                raise invalid_error(t.name, f"a view of {t.numel} elements exceeds the server's memory budget")
+        result_bytes = sum(t.numel * t.dtype.itemsize for t in plan.outputs.values())
+        if self.max_result_bytes is not None and result_bytes > self.max_result_bytes:
+            raise invalid_error(
+                next(iter(plan.outputs)),
+                f"results of {result_bytes} bytes exceed the server's max message size of {self.max_result_bytes}",
+            )
+        total = workspace_size + result_bytes
+        if total > budget:
+            raise invalid_error(
+                next(iter(plan.outputs), "op"),
+                f"outputs and workspace need {total} bytes, above the server's memory budget of {budget}",
+            )
+
+    @staticmethod
+    def _bind_inputs(
+        operator: Operator, plan: Plan, planned: Mapping[str, Any], sent: Mapping[str, Any]
+    ) -> dict[str, Any]:
+        """The operator's arguments except outputs: input views over their bytes, then values."""
+        unknown = sorted(set(sent) - set(plan.inputs))
+        if unknown:
+            raise invalid_error(unknown[0], f"is not an input tensor of this {operator.name} call")
+        args: dict[str, Any] = {}
+        for name, desc in plan.inputs.items():
+            data = sent.get(name, planned.get(name))
+            if data is None:
+                raise invalid_error(name, "input bytes were never sent (ship them with the plan or with execute)")
+            args[name] = desc.view(data)
+        for spec in operator.signature.params:
+            if spec.kind is not Kind.TENSOR:
+                args[spec.name] = plan.values.get(spec.name)
+        return args
+
+    def _compute(self, operator: Operator, plan: Plan, args: dict[str, Any]) -> dict[str, np.ndarray]:
+        """Computes into fresh arrays: a call that fails returns nothing, so nothing is written."""
+        outputs = {name: np.empty(desc.shape, desc.dtype) for name, desc in plan.outputs.items()}
+        for spec in operator.signature.params:
+            if spec.kind is Kind.TENSOR:
+                args.setdefault(spec.name, outputs.get(spec.name))
+        try:
+            self.backend.compute(operator, plan, args)
+        except AclnnError:
+            raise
+        except Exception as exc:  # a backend bug must not take the server down or write anything
+            log.exception("%s failed on backend %s", operator.name, self.backend.name)
+            raise AclnnError(Status.INNER, f"{operator.name} failed inside the service: {exc}") from exc
+        return outputs

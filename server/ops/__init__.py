@@ -1,0 +1,10 @@
+"""The operator registry: each module defines one operator; this table names them."""
+
+from __future__ import annotations
+
+from ..registry import Operator
+from . import layer_norm_backward, layer_norm_grad
+
+OPERATORS: dict[str, Operator] = {
+    module.OPERATOR.name: module.OPERATOR for module in (layer_norm_backward, layer_norm_grad)
+}

@@ -1,0 +1,1 @@
+"""The gRPC transport: protobuf decoding and thin servicer methods over the engine."""

@@ -1,0 +1,40 @@
+"""Fixtures: a real gRPC server on a loopback port, and clients over gRPC and in process."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from aclnn_client import Client
+from aclnn_server import LocalClient, ServerOptions, create_server
+
+# Backends every conformance test runs on; a new backend joins the suite by being listed here.
+BACKENDS = ("numpy",)
+
+
+@pytest.fixture(scope="session", params=BACKENDS)
+def backend(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+@pytest.fixture(scope="session")
+def server_address(backend: str):
+    server, port, _ = create_server(ServerOptions(host="127.0.0.1", port=0, backend=backend))
+    server.start()
+    yield f"127.0.0.1:{port}"
+    server.stop(None)
+
+
+@pytest.fixture(params=["grpc", "local"])
+def client(request: pytest.FixtureRequest, backend: str):
+    """The same API through a real gRPC server and through LocalClient."""
+    if request.param == "grpc":
+        c = Client(request.getfixturevalue("server_address"))
+    else:
+        c = LocalClient(backend=backend)
+    yield c
+    c.close()
+
+
+@pytest.fixture
+def rng() -> np.random.Generator:
+    return np.random.default_rng(20261123)

@@ -1,0 +1,50 @@
+"""Test helpers: float64 references, the SPEC 1.5 tolerance table, untouched-output checks."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import torch
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float16), BF16)
+TOLERANCES = {np.dtype(np.float32): (1e-4, 1e-5), np.dtype(np.float16): (2e-3, 1e-4), BF16: (1.6e-2, 1e-3)}
+
+
+def t64(a: np.ndarray | None) -> torch.Tensor | None:
+    """A float64 torch tensor holding exactly the (already rounded) values of `a`."""
+    return None if a is None else torch.from_numpy(np.asarray(a, dtype=np.float64).copy())
+
+
+def assert_close(out: np.ndarray, ref: np.ndarray | torch.Tensor, name: str = "") -> None:
+    """max|out - ref| <= atol + rtol * max|ref|, per output tensor (SPEC 1.5)."""
+    ref = ref.numpy() if isinstance(ref, torch.Tensor) else np.asarray(ref, dtype=np.float64)
+    got = np.asarray(out, dtype=np.float64)
+    assert got.shape == ref.shape, (name, got.shape, ref.shape)
+    if ref.size == 0:
+        return
+    rtol, atol = TOLERANCES[np.dtype(out.dtype)]
+    err = np.max(np.abs(got - ref))
+    bound = atol + rtol * np.max(np.abs(ref))
+    assert err <= bound, f"{name}: max error {err:.3g} > {bound:.3g} ({out.dtype})"
+
+
+def rand(rng: np.random.Generator, shape, dtype, low: float = -2.0, high: float = 2.0) -> np.ndarray:
+    return rng.uniform(low, high, size=shape).astype(dtype)
+
+
+def sentinel_like(shape, dtype) -> np.ndarray:
+    """An output prefilled with a recognizable value, to prove what was (not) written."""
+    return np.full(shape, -7.25, dtype=dtype)
+
+
+class Untouched:
+    """Snapshots arrays; `.check()` asserts their bytes did not change."""
+
+    def __init__(self, *arrays: np.ndarray | None) -> None:
+        self.arrays = [a for a in arrays if isinstance(a, np.ndarray)]
+        self.before = [a.copy() for a in self.arrays]
+
+    def check(self) -> None:
+        for a, b in zip(self.arrays, self.before):
+            assert a.tobytes() == b.tobytes(), "a failed call wrote to an output"
