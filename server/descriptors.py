@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
 from aclnn_client.errors import invalid_error
 from aclnn_client.tensor import Tensor
 from aclnn_client.types import DataType, Format, numpy_dtype

@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
+
 from aclnn_client.errors import AclnnError, Status, invalid_error
 from aclnn_client.tensor import Value
 

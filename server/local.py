@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
+
 from aclnn_client.api import BaseClient
 from aclnn_client.tensor import Tensor, Value
 

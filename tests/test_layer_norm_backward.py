@@ -6,9 +6,10 @@ import itertools
 
 import numpy as np
 import pytest
-from aclnn_client import create_tensor
 from layer_norm_cases import F32, layer_norm_call, layer_norm_reference
 from oracle import BF16, FLOAT_DTYPES, assert_close, sentinel_like
+
+from aclnn_client import create_tensor
 
 OP = "aclnnLayerNormBackward"
 OUTPUTS = ("gradInputOut", "gradWeightOut", "gradBiasOut")

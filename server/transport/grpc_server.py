@@ -10,12 +10,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
-from aclnn_client._proto import aclnn_pb2 as pb
-from aclnn_client._proto import aclnn_pb2_grpc as pb_grpc
-from aclnn_client.errors import AclnnError, Status
 from google.protobuf import any_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
+
+from aclnn_client._proto import aclnn_pb2 as pb
+from aclnn_client._proto import aclnn_pb2_grpc as pb_grpc
+from aclnn_client.errors import AclnnError, Status
 
 from ..engine import Engine
 from ..executors import CapacityError
@@ -135,6 +136,8 @@ def create_server(options: ServerOptions, engine: Engine | None = None) -> tuple
         options=[
             ("grpc.max_receive_message_length", options.max_message_bytes),
             ("grpc.max_send_message_length", options.max_message_bytes),
+            # One server per port: a second one must fail to bind, not silently share it.
+            ("grpc.so_reuseport", 0),
         ],
     )
     pb_grpc.add_AclnnServicer_to_server(AclnnServicer(engine), server)

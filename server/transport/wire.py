@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import numpy as np
+
 from aclnn_client._proto import aclnn_pb2 as pb
 from aclnn_client.tensor import BoolArray, IntArray, Tensor, Value
 from aclnn_client.types import data_type_of

@@ -1,0 +1,82 @@
+"""The `aclnn-serve` process: real process, real port, real signals."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import re
+import signal
+import subprocess
+import sys
+
+import pytest
+from layer_norm_cases import layer_norm_call, layer_norm_reference
+from oracle import assert_close
+
+from aclnn_client import Client
+
+
+def start(*args: str, env: dict | None = None) -> tuple[subprocess.Popen, str]:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "aclnn_server", "--port", "0", "--backend", "numpy", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, **(env or {})},
+    )
+    line = proc.stdout.readline()
+    match = re.fullmatch(r"listening on (\S+):(\d+)\n", line)
+    assert match, f"unexpected first line {line!r}; stderr: {proc.stderr.read() if proc.poll() is not None else ''}"
+    return proc, f"{match[1]}:{match[2]}"
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_serves_then_stops_gracefully_on_signal(signum, rng):
+    proc, address = start()
+    try:
+        with Client(address) as c:
+            p = layer_norm_call(rng, (4, 16))
+            c.run("aclnnLayerNormBackward", **p)
+        assert_close(p["gradInputOut"], layer_norm_reference(p)[0])
+        proc.send_signal(signum)
+        assert proc.wait(timeout=20) == 0
+        assert "stopped" in proc.stderr.read()
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_environment_configures_the_server():
+    proc, address = start(env={"ACLNN_HOST": "127.0.0.1", "ACLNN_MAX_EXECUTORS": "7"})
+    try:
+        assert address.startswith("127.0.0.1:")
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=20) == 0
+
+
+def test_help_lists_every_option():
+    script = pathlib.Path(sys.executable).with_name("aclnn-serve")  # the installed console script
+    out = subprocess.run([str(script), "--help"], capture_output=True, text=True, check=True).stdout
+    for flag in ("--host", "--port", "--backend", "--max-message-bytes", "--executor-ttl-s", "--max-executors"):
+        assert flag in out
+
+
+def test_unknown_backend_is_a_clear_error():
+    result = subprocess.run(
+        [sys.executable, "-m", "aclnn_server", "--backend", "tpu"], capture_output=True, text=True, timeout=30
+    )
+    assert result.returncode == 2 and "invalid choice: 'tpu'" in result.stderr
+
+
+def test_port_in_use_is_a_clear_error():
+    proc, address = start()
+    try:
+        port = address.rsplit(":", 1)[1]
+        result = subprocess.run(
+            [sys.executable, "-m", "aclnn_server", "--port", port], capture_output=True, text=True, timeout=30
+        )
+        assert result.returncode == 1 and "cannot" in result.stderr
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)
