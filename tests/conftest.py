@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+
 from aclnn_client import Client
 from aclnn_server import LocalClient, ServerOptions, create_server
 
