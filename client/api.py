@@ -17,9 +17,10 @@ class Executor:
     """What get_workspace_size returns: the server's executor and the call's outputs."""
 
     def __init__(self, executor_id: str, call: BoundCall, workspace_size: int) -> None:
-        self.id = executor_id
+        self.id = executor_id  # the transport's reference to the server-side executor
         self.call = call
         self.workspace_size = workspace_size
+        self.repeatable = False
 
     @property
     def op(self) -> str:
@@ -45,7 +46,7 @@ class BaseClient(abc.ABC):
         """Runs a planned call, reading the inputs' current contents, and fills its outputs in place."""
         if not isinstance(executor, Executor):
             raise invalid_error("executor", f"expected an Executor from get_workspace_size, got {executor!r:.60}")
-        executor.call.write_outputs(self._execute(executor.id, executor.call.inputs()))
+        executor.call.write_outputs(self._execute(executor, executor.call.inputs()))
 
     def run(self, op: str, **params: Any) -> None:
         """Both phases in one round trip; fills the outputs in place."""
@@ -55,6 +56,7 @@ class BaseClient(abc.ABC):
     def set_executor_repeatable(self, executor: Executor) -> None:
         """Keeps the executor usable until destroy_executor (call before its first execute)."""
         self._set_executor_repeatable(self._executor_id(executor))
+        executor.repeatable = True
 
     def destroy_executor(self, executor: Executor) -> None:
         self._destroy_executor(self._executor_id(executor))
@@ -82,7 +84,7 @@ class BaseClient(abc.ABC):
     def _get_workspace_size(self, op: str, values: Mapping[str, Value]) -> tuple[int, str]: ...
 
     @abc.abstractmethod
-    def _execute(self, executor_id: str, inputs: Mapping[str, Tensor]) -> Mapping[str, np.ndarray]: ...
+    def _execute(self, executor: Executor, inputs: Mapping[str, Tensor]) -> Mapping[str, np.ndarray]: ...
 
     @abc.abstractmethod
     def _run(self, op: str, values: Mapping[str, Value]) -> Mapping[str, np.ndarray]: ...

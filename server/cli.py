@@ -5,85 +5,88 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import pathlib
 import signal
+import sys
 import threading
 import time
+import typing
 from collections.abc import Sequence
-from dataclasses import fields
 
-from .backends import BACKENDS
-from .transport.grpc_server import ServerOptions, create_server
+from pydantic import ValidationError
+
+from .config import ServerOptions, load_options
+from .transport.grpc_server import create_server
 
 log = logging.getLogger("aclnn_server")
 
-_HELP = {
-    "host": "address to bind (a non-loopback address exposes the service)",
-    "port": "port to bind; 0 picks a free one",
-    "backend": f"compute backend: {', '.join(BACKENDS)}",
-    "max_message_bytes": "largest request or response message, in bytes",
-    "max_workers": "gRPC worker threads (concurrent calls)",
-    "executor_ttl_s": "seconds before an executor that was never executed expires",
-    "max_executors": "most executors alive at once",
-    "memory_budget_bytes": "most bytes one call's tensors and workspace may claim (default: half of RAM)",
-}
 
-
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    """Flags, each defaulting to its ACLNN_<NAME> environment variable, then to ServerOptions."""
+def build_parser() -> argparse.ArgumentParser:
+    """One flag per ServerOptions field; flags not given fall through to the environment and file."""
     parser = argparse.ArgumentParser(
         prog="aclnn-serve",
-        description="Serve Huawei CANN aclnn operators over gRPC (package aclnn.v1).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    for f in fields(ServerOptions):
-        env = "ACLNN_" + f.name.upper()
-        convert = (
-            int
-            if f.name in ("port", "max_message_bytes", "max_workers", "max_executors", "memory_budget_bytes")
-            else str
-        )
-        convert = float if f.name.endswith("_s") else convert
-        default = convert(os.environ[env]) if env in os.environ else f.default
-        parser.add_argument(
-            "--" + f.name.replace("_", "-"),
-            type=convert,
-            default=default,
-            choices=BACKENDS if f.name == "backend" else None,
-            help=f"{_HELP[f.name]} (env {env})",
-        )
-    parser.add_argument(
-        "--grace-period-s",
-        type=float,
-        default=float(os.environ.get("ACLNN_GRACE_PERIOD_S", 10)),
-        help="seconds in-flight calls may take to finish on shutdown (env ACLNN_GRACE_PERIOD_S)",
+        description="Serve Huawei CANN aclnn operators over gRPC (service aclnn.v1.Aclnn).",
+        epilog="Every option is also an environment variable ACLNN_<NAME> (e.g. ACLNN_MAX_QUEUE). "
+        "Precedence: flags, then environment, then --config, then defaults.",
     )
     parser.add_argument(
-        "--log-level", default=os.environ.get("ACLNN_LOG_LEVEL", "INFO"), help="logging level (env ACLNN_LOG_LEVEL)"
+        "--config",
+        type=pathlib.Path,
+        default=os.environ.get("ACLNN_CONFIG"),
+        help="TOML or JSON file of options, keyed by field name (env ACLNN_CONFIG)",
     )
-    return parser.parse_args(argv)
+    for name, field in ServerOptions.model_fields.items():
+        flag = "--" + name.replace("_", "-")
+        default = "half of RAM" if name == "memory_budget_bytes" else field.default
+        text = f"{field.description} (env ACLNN_{name.upper()}; default: {default})"
+        if field.annotation is bool:
+            parser.add_argument(flag, action="store_true", default=argparse.SUPPRESS, help=text)
+            continue
+        choices = typing.get_args(field.annotation) if typing.get_origin(field.annotation) is typing.Literal else None
+        parser.add_argument(flag, default=argparse.SUPPRESS, choices=choices, help=text)
+    return parser
+
+
+def _explain(error: ValidationError) -> str:
+    lines = []
+    for e in error.errors():
+        where = "--" + "-".join(str(p) for p in e["loc"]).replace("_", "-") if e["loc"] else "options"
+        lines.append(f"  {where}: {e['msg']}")
+    return "invalid configuration:\n" + "\n".join(lines)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    options = ServerOptions(**{f.name: getattr(args, f.name) for f in fields(ServerOptions)})
+    flags = vars(build_parser().parse_args(argv))
+    config_file = flags.pop("config")
+    try:
+        options = load_options(flags, config_file)
+    except ValidationError as error:
+        print(f"aclnn-serve: {_explain(error)}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=options.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         server, port, engine = create_server(options)
-    except (ValueError, RuntimeError) as exc:
+    except (ValueError, RuntimeError, OSError) as exc:
         log.error("cannot start: %s", exc)
-        return 1
-    if port == 0:
-        log.error("cannot bind %s:%s", options.host, options.port)
         return 1
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
     server.start()
-    log.info("backend %s, operators: %s", engine.backend.name, ", ".join(sorted(engine.operators)))
+    log.info(
+        "backend %s; operators %s; max concurrency %d, queue %d; auth %s; tls %s; metrics %s",
+        engine.backend.name,
+        ", ".join(sorted(engine.operators)),
+        options.max_concurrency,
+        options.max_queue,
+        "on" if options.auth_token_file else "off",
+        "mutual" if options.tls_client_ca else "on" if options.tls_cert else "off",
+        f"port {server.metrics_port}" if server.metrics_port else "off",
+    )
     print(f"listening on {options.host}:{port}", flush=True)
     stop.wait()
-    log.info("stopping: in-flight calls have %.0f s to finish", args.grace_period_s)
+    log.info("draining: health NOT_SERVING, new calls refused, in-flight calls get %.0f s", options.grace_period_s)
     started = time.monotonic()
-    server.stop(args.grace_period_s).wait()
+    server.stop(options.grace_period_s).wait()
     log.info("stopped after %.2f s", time.monotonic() - started)
     return 0

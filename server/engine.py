@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -12,6 +15,7 @@ import numpy as np
 from aclnn_client.errors import AclnnError, Status, invalid_error
 from aclnn_client.tensor import Value
 
+from .admission import Admission
 from .backends import Backend, create_backend
 from .executors import ExecutorStore
 from .ops import OPERATORS
@@ -29,8 +33,21 @@ def default_memory_budget() -> int:
         return 8 << 30
 
 
+@dataclass
+class CallContext:
+    """Who is calling and until when; the engine records where the time went."""
+
+    owner: str | None = None  # executors made under one owner are invisible to others
+    deadline: float | None = None  # time.monotonic() after which the work is not started
+    cancelled: Callable[[], bool] = field(default=lambda: False)
+    op: str = ""
+    queue_s: float = 0.0
+    validation_s: float = 0.0
+    compute_s: float = 0.0
+
+
 class Engine:
-    """Runs aclnn calls on one backend, keeping their executors."""
+    """Runs aclnn calls on one backend, keeping their executors and admitting their executions."""
 
     def __init__(
         self,
@@ -40,44 +57,71 @@ class Engine:
         max_executors: int = 4096,
         memory_budget_bytes: int | None = None,
         max_result_bytes: int | None = None,
+        max_concurrency: int = 2,
+        max_queue: int = 64,
     ) -> None:
         self.backend = create_backend(backend) if isinstance(backend, str) else backend
         self.executors = ExecutorStore(executor_ttl_s, max_executors)
         self.memory_budget_bytes = memory_budget_bytes or default_memory_budget()
         # A transport that returns results in one message caps their size (None: no cap).
         self.max_result_bytes = max_result_bytes
+        self.admission = Admission(max_concurrency, max_queue, self.memory_budget_bytes)
 
     @property
     def operators(self) -> Mapping[str, Operator]:
         return OPERATORS
 
-    def get_workspace_size(self, op: str, values: Mapping[str, Value]) -> tuple[int, str]:
-        operator, plan, workspace_size = self._plan(op, values)
+    def get_workspace_size(
+        self, op: str, values: Mapping[str, Value], call: CallContext | None = None
+    ) -> tuple[int, str]:
+        call = call or CallContext()
+        operator, plan, workspace_size = self._plan(op, values, call)
         data = {name: values[name].data for name in plan.inputs if values[name].data is not None}
-        return workspace_size, self.executors.add(operator, plan, workspace_size, data)
+        return workspace_size, self.executors.add(operator, plan, workspace_size, data, call.owner)
 
-    def execute(self, executor_id: str, inputs: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    def execute(
+        self, executor_id: str, inputs: Mapping[str, Any], call: CallContext | None = None
+    ) -> dict[str, np.ndarray]:
         """Runs an executor; `inputs` holds storage bytes that override those sent with the plan.
 
-        Bad input bytes fail before a single-use executor is spent, so the call can be retried.
+        A call refused for its bytes, or by admission, does not spend a single-use executor.
         """
-        entry, args = self.executors.begin_execute(
-            executor_id, lambda e: self._bind_inputs(e.operator, e.plan, e.data, inputs)
-        )
-        return self._compute(entry.operator, entry.plan, args)
+        call = call or CallContext()
+        entry = self.executors.get(executor_id, call.owner)
+        call.op = entry.operator.name
+        with self._admitted(entry.plan, entry.workspace_size, call):
+            entry, args = self.executors.begin_execute(
+                executor_id, lambda e: self._bind_inputs(e.operator, e.plan, e.data, inputs), call.owner
+            )
+            return self._compute(entry.operator, entry.plan, args, call)
 
-    def run(self, op: str, values: Mapping[str, Value]) -> tuple[int, dict[str, np.ndarray]]:
-        operator, plan, workspace_size = self._plan(op, values)
+    def run(
+        self, op: str, values: Mapping[str, Value], call: CallContext | None = None
+    ) -> tuple[int, dict[str, np.ndarray]]:
+        call = call or CallContext()
+        operator, plan, workspace_size = self._plan(op, values, call)
         args = self._bind_inputs(operator, plan, {name: values[name].data for name in plan.inputs}, {})
-        return workspace_size, self._compute(operator, plan, args)
+        with self._admitted(plan, workspace_size, call):
+            return workspace_size, self._compute(operator, plan, args, call)
 
-    def set_executor_repeatable(self, executor_id: str) -> None:
-        self.executors.set_repeatable(executor_id)
+    def set_executor_repeatable(self, executor_id: str, call: CallContext | None = None) -> None:
+        self.executors.set_repeatable(executor_id, (call or CallContext()).owner)
 
-    def destroy_executor(self, executor_id: str) -> None:
-        self.executors.destroy(executor_id)
+    def destroy_executor(self, executor_id: str, call: CallContext | None = None) -> None:
+        self.executors.destroy(executor_id, (call or CallContext()).owner)
 
-    def _plan(self, op: str, values: Mapping[str, Value]) -> tuple[Operator, Plan, int]:
+    @contextlib.contextmanager
+    def _admitted(self, plan: Plan, workspace_size: int, call: CallContext) -> Iterator[None]:
+        """An execution slot for the call's inputs, outputs and workspace (see Admission)."""
+        held = workspace_size + sum(t.storage_nbytes for t in plan.inputs.values())
+        held += sum(t.numel * t.dtype.itemsize for t in plan.outputs.values())
+        with self.admission.slot(held, call.deadline, call.cancelled) as waited:
+            call.queue_s += waited
+            yield
+
+    def _plan(self, op: str, values: Mapping[str, Value], call: CallContext) -> tuple[Operator, Plan, int]:
+        started = time.perf_counter()
+        call.op = op
         operator = OPERATORS.get(op)
         if operator is None:
             raise invalid_error("op", f"unknown operator {op!r}; this server has {', '.join(sorted(OPERATORS))}")
@@ -88,6 +132,7 @@ class Engine:
         plan = operator.validate(CallParams(operator.signature, values, tensors))
         workspace_size = self.backend.workspace_size(operator, plan)
         self._check_budget(plan, workspace_size)
+        call.validation_s += time.perf_counter() - started
         return operator, plan, workspace_size
 
     def _check_budget(self, plan: Plan, workspace_size: int) -> None:
@@ -126,14 +171,20 @@ class Engine:
         for spec in operator.signature.params:
             if spec.kind is not Kind.TENSOR:
                 args[spec.name] = plan.values.get(spec.name)
+        # Facts validation derived that are no parameter (BatchNorm's channel axis, read from a format tag).
+        for name, value in plan.values.items():
+            args.setdefault(name, value)
         return args
 
-    def _compute(self, operator: Operator, plan: Plan, args: dict[str, Any]) -> dict[str, np.ndarray]:
+    def _compute(
+        self, operator: Operator, plan: Plan, args: dict[str, Any], call: CallContext
+    ) -> dict[str, np.ndarray]:
         """Computes into fresh arrays: a call that fails returns nothing, so nothing is written."""
         outputs = {name: np.empty(desc.shape, desc.dtype) for name, desc in plan.outputs.items()}
         for spec in operator.signature.params:
             if spec.kind is Kind.TENSOR:
                 args.setdefault(spec.name, outputs.get(spec.name))
+        started = time.perf_counter()
         try:
             self.backend.compute(operator, plan, args)
         except AclnnError:
@@ -141,4 +192,6 @@ class Engine:
         except Exception as exc:  # a backend bug must not take the server down or write anything
             log.exception("%s failed on backend %s", operator.name, self.backend.name)
             raise AclnnError(Status.INNER, f"{operator.name} failed inside the service: {exc}") from exc
+        finally:
+            call.compute_s += time.perf_counter() - started
         return outputs

@@ -28,6 +28,7 @@ class ExecutorEntry:
     workspace_size: int
     data: dict[str, Any]  # input storage shipped with GetWorkspaceSize
     created: float
+    owner: str | None = None  # the principal that created it; others cannot see it
     repeatable: bool = False
     executed: bool = False
 
@@ -51,7 +52,9 @@ class ExecutorStore:
             self._expire()
             return len(self._entries)
 
-    def add(self, operator: Operator, plan: Plan, workspace_size: int, data: dict[str, Any]) -> str:
+    def add(
+        self, operator: Operator, plan: Plan, workspace_size: int, data: dict[str, Any], owner: str | None = None
+    ) -> str:
         with self._lock:
             self._expire()
             if len(self._entries) >= self.max_executors:
@@ -61,34 +64,42 @@ class ExecutorStore:
                     "executor",
                 )
             executor_id = secrets.token_hex(16)
-            self._entries[executor_id] = ExecutorEntry(operator, plan, workspace_size, data, self._clock())
+            self._entries[executor_id] = ExecutorEntry(operator, plan, workspace_size, data, self._clock(), owner)
             return executor_id
 
-    def begin_execute(self, executor_id: str, bind: Callable[[ExecutorEntry], T]) -> tuple[ExecutorEntry, T]:
+    def get(self, executor_id: str, owner: str | None = None) -> ExecutorEntry:
+        with self._lock:
+            return self._live(executor_id, owner)
+
+    def begin_execute(
+        self, executor_id: str, bind: Callable[[ExecutorEntry], T], owner: str | None = None
+    ) -> tuple[ExecutorEntry, T]:
         """The entry to run and `bind(entry)`; a single-use executor leaves the store only if bind succeeds."""
         with self._lock:
-            entry = self._live(executor_id)
+            entry = self._live(executor_id, owner)
             bound = bind(entry)
             if not entry.repeatable:
                 self._end(executor_id, "was already executed (executors are single-use unless made repeatable)")
             entry.executed = True
             return entry, bound
 
-    def set_repeatable(self, executor_id: str) -> None:
+    def set_repeatable(self, executor_id: str, owner: str | None = None) -> None:
         with self._lock:
-            entry = self._live(executor_id)
+            entry = self._live(executor_id, owner)
             if entry.executed:
                 raise invalid_error("executor", "can only be made repeatable before its first execute")
             entry.repeatable = True
 
-    def destroy(self, executor_id: str) -> None:
+    def destroy(self, executor_id: str, owner: str | None = None) -> None:
         with self._lock:
-            self._live(executor_id)
+            self._live(executor_id, owner)
             self._end(executor_id, "was destroyed")
 
-    def _live(self, executor_id: str) -> ExecutorEntry:
+    def _live(self, executor_id: str, owner: str | None) -> ExecutorEntry:
         self._expire()
         entry = self._entries.get(executor_id)
+        if entry is not None and entry.owner is not None and entry.owner != owner:
+            entry = None  # another client's executor: indistinguishable from an unknown one
         if entry is None:
             why = self._ended.get(executor_id, "is unknown")
             raise invalid_error("executor", f"executor {executor_id[:8]}... {why}")

@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from aclnn_client.api import BaseClient
+from aclnn_client.api import BaseClient, Executor
 from aclnn_client.tensor import Tensor, Value
 
 from .engine import Engine
@@ -30,8 +30,8 @@ class LocalClient(BaseClient):
     def _get_workspace_size(self, op: str, values: Mapping[str, Value]) -> tuple[int, str]:
         return self.engine.get_workspace_size(op, values)
 
-    def _execute(self, executor_id: str, inputs: Mapping[str, Tensor]) -> Mapping[str, np.ndarray]:
-        return self.engine.execute(executor_id, {name: t.data for name, t in inputs.items()})
+    def _execute(self, executor: Executor, inputs: Mapping[str, Tensor]) -> Mapping[str, np.ndarray]:
+        return self.engine.execute(executor.id, {name: t.data for name, t in inputs.items()})
 
     def _run(self, op: str, values: Mapping[str, Value]) -> Mapping[str, np.ndarray]:
         return self.engine.run(op, values)[1]

@@ -63,20 +63,29 @@ def test_not_an_executor(client):
 
 
 @pytest.fixture(params=["grpc", "local"])
-def short_lived(request):
-    """A client whose server expires unexecuted executors after 0.2 s and keeps at most 3."""
-    limits = dict(executor_ttl_s=0.2, max_executors=3)
-    if request.param == "local":
-        yield LocalClient(**limits)
-        return
-    server, port, _ = create_server(ServerOptions(port=0, backend="numpy", **limits))
-    server.start()
-    with Client(f"127.0.0.1:{port}") as c:
-        yield c
-    server.stop(None)
+def limited(request):
+    """Makes clients whose server has the given executor limits, over gRPC or in process."""
+    servers, clients = [], []
+
+    def make(**limits):
+        if request.param == "local":
+            clients.append(LocalClient(**limits))
+        else:
+            server, port, _ = create_server(ServerOptions(port=0, backend="numpy", **limits))
+            server.start()
+            servers.append(server)
+            clients.append(Client(f"127.0.0.1:{port}"))
+        return clients[-1]
+
+    yield make
+    for c in clients:
+        c.close()
+    for server in servers:
+        server.stop(None)
 
 
-def test_unexecuted_executors_expire(short_lived, rng):
+def test_unexecuted_executors_expire(limited, rng):
+    short_lived = limited(executor_ttl_s=0.2)
     p = layer_norm_call(rng, (2, 4))
     _, stale = short_lived.get_workspace_size(OP, **p)
     _, kept = short_lived.get_workspace_size(OP, **p)
@@ -88,17 +97,18 @@ def test_unexecuted_executors_expire(short_lived, rng):
     short_lived.destroy_executor(kept)
 
 
-def test_executor_count_is_bounded(short_lived, rng):
+def test_executor_count_is_bounded(limited, rng):
+    c = limited(max_executors=3)
     p = layer_norm_call(rng, (2, 4))
-    executors = [short_lived.get_workspace_size(OP, **p)[1] for _ in range(3)]
+    executors = [c.get_workspace_size(OP, **p)[1] for _ in range(3)]
     with pytest.raises(AclnnError) as info:
-        short_lived.get_workspace_size(OP, **p)
+        c.get_workspace_size(OP, **p)
     assert info.value.code == 561101 and "executor limit" in str(info.value)
-    if isinstance(short_lived, Client):
+    if isinstance(c, Client):
         assert info.value.grpc_code == grpc.StatusCode.RESOURCE_EXHAUSTED
-    short_lived.run(OP, **p)  # Run needs no executor slot
-    short_lived.execute(executors[0])  # frees a slot
-    short_lived.get_workspace_size(OP, **p)
+    c.run(OP, **p)  # Run needs no executor slot
+    c.execute(executors[0])  # frees a slot
+    c.get_workspace_size(OP, **p)
 
 
 def test_input_bytes_with_the_plan_or_with_execute(rng):

@@ -1,0 +1,104 @@
+"""The server's settings: one model read from flags, ACLNN_* environment variables and a config file.
+
+Precedence: command-line flags, then environment, then the `--config` file (TOML or
+JSON), then the defaults here. Everything is validated before the server starts.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import ipaddress
+import pathlib
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+from pydantic_settings import (
+    BaseSettings,
+    JsonConfigSettingsSource,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    TomlConfigSettingsSource,
+)
+
+BackendName = Literal["auto", "numpy", "cpu", "torch", "npu"]
+
+# The config file of the settings being loaded (a context variable keeps loads independent).
+_config_file: contextvars.ContextVar[pathlib.Path | None] = contextvars.ContextVar("config_file", default=None)
+
+
+class ServerOptions(BaseSettings):
+    """Every server option; the field name is the flag (--max-queue) and the variable (ACLNN_MAX_QUEUE)."""
+
+    model_config = SettingsConfigDict(env_prefix="ACLNN_", extra="forbid", validate_default=True)
+
+    host: str = Field("127.0.0.1", description="address to bind; a non-loopback address needs TLS or --insecure")
+    port: int = Field(50051, ge=0, le=65535, description="port to bind; 0 picks a free one")
+    backend: BackendName = Field("auto", description="compute backend: auto, numpy, cpu, torch or npu")
+    device: int = Field(0, ge=0, description="NPU device id for --backend npu")
+    torch_device: str = Field("cpu", description="torch device for --backend torch: cpu, cuda:N or npu:N")
+    metrics_port: int = Field(0, ge=0, le=65535, description="Prometheus /metrics port; 0 = off")
+    tls_cert: pathlib.Path | None = Field(None, description="server certificate chain (PEM)")
+    tls_key: pathlib.Path | None = Field(None, description="server private key (PEM)")
+    tls_client_ca: pathlib.Path | None = Field(None, description="CA bundle for client certificates: mutual TLS")
+    auth_token_file: pathlib.Path | None = Field(None, description="bearer tokens, one per line; enables auth")
+    insecure: bool = Field(False, description="allow a non-loopback address without TLS and tokens")
+    max_message_bytes: int = Field(1 << 30, ge=1 << 20, le=2**31 - 1, description="largest message, in bytes")
+    max_concurrency: int = Field(2, ge=1, description="operator executions running at once")
+    max_queue: int = Field(64, ge=0, description="executions waiting for a slot; beyond: RESOURCE_EXHAUSTED")
+    memory_budget_bytes: int | None = Field(
+        None, ge=1, description="bytes the running calls' tensors and workspaces may hold (default: half of RAM)"
+    )
+    executor_ttl_s: float = Field(300.0, gt=0, description="seconds before a never-executed executor expires")
+    max_executors: int = Field(4096, ge=1, description="executors alive at once")
+    grace_period_s: float = Field(10.0, ge=0, description="seconds in-flight calls get to finish on SIGTERM")
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="logging level")
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        path = _config_file.get()
+        if path is None:
+            return init_settings, env_settings
+        if path.suffix == ".json":
+            return init_settings, env_settings, JsonConfigSettingsSource(settings_cls, json_file=path)
+        return init_settings, env_settings, TomlConfigSettingsSource(settings_cls, toml_file=path)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ServerOptions:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("tls_cert and tls_key go together")
+        if self.tls_client_ca is not None and self.tls_cert is None:
+            raise ValueError("tls_client_ca (mutual TLS) needs tls_cert and tls_key")
+        for path in (self.tls_cert, self.tls_key, self.tls_client_ca, self.auth_token_file):
+            if path is not None and not path.is_file():
+                raise ValueError(f"{path} is not a readable file")
+        if not self.is_loopback and not self.insecure:
+            if self.tls_cert is None:
+                raise ValueError(f"host {self.host} is not loopback: give --tls-cert/--tls-key, or --insecure")
+            if self.auth_token_file is None:
+                raise ValueError(f"host {self.host} is not loopback: give --auth-token-file, or --insecure")
+        return self
+
+    @property
+    def is_loopback(self) -> bool:
+        if self.host == "localhost":
+            return True
+        try:
+            return ipaddress.ip_address(self.host).is_loopback
+        except ValueError:
+            return False
+
+
+def load_options(flags: dict[str, Any], config_file: pathlib.Path | None = None) -> ServerOptions:
+    """Options from flags (those given), the environment and an optional config file."""
+    token = _config_file.set(config_file)
+    try:
+        return ServerOptions(**flags)
+    finally:
+        _config_file.reset(token)

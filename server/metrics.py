@@ -1,0 +1,52 @@
+"""Prometheus metrics of one server (its own registry, so several servers can share a process)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+_PHASES = ("queue", "validation", "compute", "transfer")
+_BUCKETS = (0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 30.0)
+
+
+class Metrics:
+    def __init__(self, live_executors: Callable[[], int]) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "aclnn_requests",
+            "RPCs by method, operator and aclnn status",
+            ["method", "op", "status"],
+            registry=self.registry,
+        )
+        self.seconds = Histogram(
+            "aclnn_request_phase_seconds",
+            "Time per RPC phase: queue, validation, compute, transfer",
+            ["method", "op", "phase"],
+            buckets=_BUCKETS,
+            registry=self.registry,
+        )
+        self.bytes_in = Counter("aclnn_received_bytes", "Request message bytes", ["method"], registry=self.registry)
+        self.bytes_out = Counter("aclnn_sent_bytes", "Response message bytes", ["method"], registry=self.registry)
+        self.in_flight = Gauge("aclnn_in_flight_calls", "RPCs being handled", registry=self.registry)
+        live = Gauge("aclnn_live_executors", "Executors alive on this server", registry=self.registry)
+        live.set_function(live_executors)
+        self._http = None
+
+    def observe(self, method: str, op: str, status: str, phases: dict[str, float], sizes: tuple[int, int]) -> None:
+        self.requests.labels(method, op, status).inc()
+        for phase in _PHASES:
+            if phases.get(phase):
+                self.seconds.labels(method, op, phase).observe(phases[phase])
+        self.bytes_in.labels(method).inc(sizes[0])
+        self.bytes_out.labels(method).inc(sizes[1])
+
+    def serve(self, host: str, port: int) -> int:
+        """Serves /metrics over HTTP; returns the bound port."""
+        self._http, _ = start_http_server(port, addr=host, registry=self.registry)
+        return self._http.server_port
+
+    def close(self) -> None:
+        if self._http is not None:
+            self._http.shutdown()
+            self._http.server_close()
