@@ -24,6 +24,8 @@ from .wire import decode_error, decode_outputs, encode_call
 _UNLIMITED = -1
 # Worth another try elsewhere (a replica gone, or busy); everything else is the call's own answer.
 _RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
+# How long a replica that answered UNAVAILABLE is passed over before it is tried again.
+_DOWN_S = 2.0
 _SERVICE_CONFIG = json.dumps(
     {
         "loadBalancingConfig": [{"round_robin": {}}],
@@ -83,11 +85,13 @@ class Client(BaseClient):
         timeout: float | None = None,
         options: Sequence[tuple[str, Any]] = (),
     ) -> None:
+        addresses = replica_addresses(target)
         channel_options = [
             ("grpc.max_send_message_length", _UNLIMITED),
             ("grpc.max_receive_message_length", _UNLIMITED),
             ("grpc.service_config", _SERVICE_CONFIG),
-            ("grpc.enable_retries", 1),
+            # One server: gRPC retries in place. Several: this client moves the call to another replica.
+            ("grpc.enable_retries", int(len(addresses) == 1)),
             *options,
         ]
         secure = root_certificates or private_key or certificate_chain
@@ -98,8 +102,9 @@ class Client(BaseClient):
             grpc.secure_channel(a, credentials, channel_options)
             if credentials
             else grpc.insecure_channel(a, channel_options)
-            for a in replica_addresses(target)
+            for a in addresses
         ]
+        self._down_until = [0.0] * len(addresses)
         self._stubs = [pb_grpc.AclnnStub(c) for c in self._channels]
         self._turn = itertools.count()
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
@@ -125,17 +130,30 @@ class Client(BaseClient):
         except grpc.RpcError as error:
             raise decode_error(error) from None
 
+    def _next_replica(self) -> int:
+        """The next replica in turn that is not known to be down (any, if all are)."""
+        now, count = time.monotonic(), len(self._stubs)
+        first = next(self._turn) % count
+        for step in range(count):
+            replica = (first + step) % count
+            if self._down_until[replica] <= now:
+                return replica
+        return first
+
     def _call_any(self, method: str, request: Any) -> tuple[Any, int]:
         """Calls the next replica in turn; a gone or busy one hands the call to the next."""
         attempts = max(3, 2 * len(self._stubs))
         for attempt in range(attempts):
-            replica = next(self._turn) % len(self._stubs)
+            replica = self._next_replica()
             try:
                 return self._call_on(replica, method, request), replica
             except AclnnError as error:
                 if error.grpc_code not in _RETRYABLE or attempt == attempts - 1:
                     raise
-                time.sleep(min(0.05 * attempt, 0.5))
+                if error.grpc_code == grpc.StatusCode.UNAVAILABLE:
+                    self._down_until[replica] = time.monotonic() + _DOWN_S
+                if len(self._stubs) == 1 or attempt >= len(self._stubs) - 1:
+                    time.sleep(min(0.05 * (attempt + 1), 0.5))  # every replica tried: back off
         raise AssertionError("unreachable")
 
     def _output_names(self, op: str) -> frozenset[str]:

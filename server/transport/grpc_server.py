@@ -41,6 +41,16 @@ _GRPC_CODES = {
 _RETRY_AFTER = duration_pb2.Duration(nanos=100_000_000)
 
 
+class _Status(grpc.Status):
+    def __init__(self, code: grpc.StatusCode, details: str, trailing_metadata: tuple) -> None:
+        self.code, self.details, self.trailing_metadata = code, details, trailing_metadata
+
+
+def with_request_id(status: grpc.Status, request_id: str) -> grpc.Status:
+    """The status with the request id beside its details (aborting replaces earlier trailers)."""
+    return _Status(status.code, status.details, (*status.trailing_metadata, ("x-request-id", request_id)))
+
+
 def to_grpc_status(error: AclnnError) -> grpc.Status:
     """google.rpc.Status with an ErrorInfo(domain "aclnn", reason, metadata status/param)."""
     info = error_details_pb2.ErrorInfo(
@@ -80,7 +90,7 @@ def _rpc(method: Callable[..., Any]) -> Callable[..., Any]:
             return reply
         except AclnnError as error:
             status = error.reason
-            context.abort_with_status(to_grpc_status(error))
+            context.abort_with_status(with_request_id(to_grpc_status(error), request_id))
         except CallAbandoned as abandoned:
             status = abandoned.reason.upper()
             code = grpc.StatusCode.DEADLINE_EXCEEDED if abandoned.reason == "deadline" else grpc.StatusCode.CANCELLED
@@ -88,7 +98,8 @@ def _rpc(method: Callable[..., Any]) -> Callable[..., Any]:
         except Exception as exc:
             log.exception("request_id=%s method=%s failed", request_id, name)
             status = Status.INNER.reason
-            context.abort_with_status(to_grpc_status(AclnnError(Status.INNER, f"internal error: {exc}")))
+            internal = to_grpc_status(AclnnError(Status.INNER, f"internal error: {exc}"))
+            context.abort_with_status(with_request_id(internal, request_id))
         finally:
             self.metrics.in_flight.dec()
             total = time.perf_counter() - started

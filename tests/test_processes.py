@@ -1,0 +1,131 @@
+"""Real server processes: draining on SIGTERM with calls in flight, and a replica pool losing a member."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import numpy as np
+import pytest
+from layer_norm_cases import layer_norm_call, layer_norm_reference
+from oracle import assert_close
+
+from aclnn_client import Client
+
+OP = "aclnnLayerNormBackward"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(*args: str) -> tuple[subprocess.Popen, str]:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "aclnn_server", "--port", "0", "--backend", "numpy", "--log-level", "WARNING", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ},
+    )
+    line = proc.stdout.readline()
+    match = re.fullmatch(r"listening on (\S+):(\d+)\n", line)
+    assert match, f"unexpected first line {line!r}"
+    return proc, f"{match[1]}:{match[2]}"
+
+
+def in_flight(metrics_port: int) -> float:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read().decode()
+    return float(re.search(r"^aclnn_in_flight_calls (\S+)$", text, re.M)[1])
+
+
+def broadcast_call(seed: int, rows: int = 8192, n: int = 4096) -> dict:
+    """A long computation in a small message: every row the same (stride-0 views), only [n] outputs back."""
+    rng = np.random.default_rng(seed)
+    row = lambda: rng.uniform(-1, 1, n).astype(np.float32)  # noqa: E731
+    return dict(
+        gradOut=np.broadcast_to(row(), (rows, n)),
+        input=np.broadcast_to(row(), (rows, n)),
+        normalizedShape=[n],
+        mean=np.zeros((rows, 1), np.float32),
+        rstd=np.ones((rows, 1), np.float32),
+        outputMask=[False, True, True],
+        gradWeightOut=np.full(n, -7.25, np.float32),
+        gradBiasOut=np.full(n, -7.25, np.float32),
+    )
+
+
+def test_sigterm_drains_calls_in_flight():
+    metrics_port = free_port()
+    proc, address = start_server("--max-concurrency", "1", "--metrics-port", str(metrics_port))
+    calls = [broadcast_call(i) for i in range(8)]
+    try:
+        with Client(address) as c, concurrent.futures.ThreadPoolExecutor(len(calls)) as pool:
+            c.list_operators()
+            futures = [pool.submit(c.run, OP, **p) for p in calls]
+            while in_flight(metrics_port) < len(calls):
+                assert not any(f.done() for f in futures), "calls finished before all were in flight"
+                time.sleep(0.002)
+            proc.send_signal(signal.SIGTERM)
+            for f in futures:
+                f.result(timeout=60)  # every in-flight call completes
+        for p in calls:  # x = mean and rstd = 1: gradWeight = rows * g * x, gradBias = rows * g
+            g, x = p["gradOut"][0].astype(np.float64), p["input"][0].astype(np.float64)
+            assert_close(p["gradWeightOut"], len(p["mean"]) * g * x)
+            assert_close(p["gradBiasOut"], len(p["mean"]) * g)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.mark.slow
+def test_replica_pool_survives_losing_a_member():
+    """Three server processes, one killed mid-load: after retries no call fails for the user."""
+    servers = [start_server() for _ in range(3)]
+    addresses = [address for _, address in servers]
+    failures, done = [], []
+    try:
+        with Client(addresses) as c:
+            c.list_operators()
+            # Executors on the replica that will die are planned again elsewhere when executed.
+            p_two_phase = layer_norm_call(np.random.default_rng(99), (4, 16))
+            executors = [c.get_workspace_size(OP, **p_two_phase)[1] for _ in range(3)]
+            doomed = int(executors[0].id.split("/")[0])
+
+            killed_at, stop_at = time.monotonic() + 0.3, time.monotonic() + 1.0
+
+            def worker(seed: int) -> None:
+                rng = np.random.default_rng(seed)
+                while time.monotonic() < stop_at:
+                    p = layer_norm_call(rng, (8, 64))
+                    try:
+                        c.run(OP, **p)
+                        assert_close(p["gradInputOut"], layer_norm_reference(p)[0])
+                        done.append(time.monotonic())
+                    except Exception as exc:  # collected: the test reports every failure
+                        failures.append(exc)
+
+            with concurrent.futures.ThreadPoolExecutor(4) as pool:
+                futures = [pool.submit(worker, seed) for seed in range(4)]
+                time.sleep(killed_at - time.monotonic())
+                servers[doomed][0].kill()
+                for f in futures:
+                    f.result()
+            for executor in executors:
+                c.execute(executor)
+                assert_close(p_two_phase["gradInputOut"], layer_norm_reference(p_two_phase)[0])
+        assert not failures, failures[:3]
+        assert sum(t > killed_at for t in done) > 20, "the load did not go on after the kill"
+    finally:
+        for proc, _ in servers:
+            proc.kill()
+            proc.wait()

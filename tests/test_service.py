@@ -1,0 +1,193 @@
+"""The service as operators run it: health, reflection, metrics, request ids, limits, deadlines, load."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import threading
+import time
+import urllib.request
+
+import grpc
+import numpy as np
+import pytest
+from google.rpc import error_details_pb2
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+from grpc_status import rpc_status
+from layer_norm_cases import layer_norm_call, layer_norm_reference
+from oracle import assert_close
+
+from aclnn_client import AclnnError, Client
+from aclnn_client._proto import aclnn_pb2 as pb
+from aclnn_client._proto import aclnn_pb2_grpc as pb_grpc
+from aclnn_client.binding import bind
+from aclnn_client.wire import encode_call
+from aclnn_server import ServerOptions, create_server
+
+OP = "aclnnLayerNormBackward"
+
+
+@pytest.fixture
+def serve():
+    started = []
+
+    def start(**options):
+        server, port, engine = create_server(ServerOptions(port=0, backend="numpy", **options))
+        server.start()
+        started.append(server)
+        return server, f"127.0.0.1:{port}", engine
+
+    yield start
+    for server in started:
+        server.stop(None)
+
+
+def test_health_serving_then_not_serving_while_draining(serve):
+    server, address, _ = serve()
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        for service in ("", "aclnn.v1.Aclnn"):
+            assert stub.Check(health_pb2.HealthCheckRequest(service=service)).status == 1  # SERVING
+        watch = stub.Watch(health_pb2.HealthCheckRequest(service="aclnn.v1.Aclnn"))
+        assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
+        server.stop(2)
+        assert next(watch).status == health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+def test_reflection_lists_and_describes_the_service(serve):
+    _, address, _ = serve()
+    with grpc.insecure_channel(address) as channel:
+        db = ProtoReflectionDescriptorDatabase(channel)
+        assert {"aclnn.v1.Aclnn", "grpc.health.v1.Health"} <= set(db.get_services())
+        assert db.FindFileContainingSymbol("aclnn.v1.Aclnn").name == "aclnn/v1/aclnn.proto"
+
+
+def test_request_id_is_echoed_and_logged(serve, caplog, rng):
+    _, address, _ = serve()
+    p = layer_norm_call(rng, (2, 4))
+    with Client(address) as c:
+        c.run(OP, **p)  # warm the operator list
+    with grpc.insecure_channel(address) as channel, caplog.at_level(logging.INFO, logger="aclnn_server"):
+        call = pb.OpCall(op="nope")
+        with pytest.raises(grpc.RpcError) as raised:
+            pb_grpc.AclnnStub(channel).Run(call, metadata=(("x-request-id", "req-42"),))
+    assert ("x-request-id", "req-42") in raised.value.trailing_metadata()
+    logged = [r.message for r in caplog.records if "request_id=req-42" in r.message]
+    assert logged and "status=ACLNN_ERR_PARAM_INVALID" in logged[0]
+
+
+def test_prometheus_metrics(serve, rng):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        metrics_port = s.getsockname()[1]
+    server, address, _ = serve(metrics_port=metrics_port)
+    with Client(address) as c:
+        p = layer_norm_call(rng, (4, 8))
+        c.run(OP, **p)
+        c.get_workspace_size(OP, **p)  # a live executor
+        with pytest.raises(AclnnError):
+            c.run(OP, **dict(p, gradOut=None))
+    text = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10).read().decode()
+    assert 'aclnn_requests_total{method="Run",op="aclnnLayerNormBackward",status="ACLNN_SUCCESS"} 1.0' in text
+    assert 'status="ACLNN_ERR_PARAM_NULLPTR"} 1.0' in text
+    for phase in ("queue", "validation", "compute", "transfer"):
+        assert f'phase="{phase}"' in text
+    assert "aclnn_live_executors 1.0" in text
+    assert "aclnn_received_bytes_total" in text and "aclnn_in_flight_calls" in text
+
+
+def wait_until(condition, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.005)
+
+
+def raw_run(address: str, p: dict, **kwargs):
+    """One Run through a bare stub: no client-side retries."""
+    values = bind(OP, p, frozenset({"gradInputOut", "gradWeightOut", "gradBiasOut"})).values
+    with grpc.insecure_channel(address) as channel:
+        return pb_grpc.AclnnStub(channel).Run(encode_call(OP, values), **kwargs)
+
+
+def test_queue_bound_answers_resource_exhausted_with_retry_hint(serve, rng):
+    """One execution slot held, one call queued: the next is refused at once, and the server recovers."""
+    _, address, engine = serve(max_concurrency=1, max_queue=1)
+    queued = layer_norm_call(rng, (4, 8))
+    with engine.admission.slot(0):  # a long execution holds the only slot
+        waiter = concurrent.futures.ThreadPoolExecutor(1).submit(raw_run, address, queued)
+        wait_until(lambda: engine.admission.waiting == 1)
+        with pytest.raises(grpc.RpcError) as raised:
+            raw_run(address, layer_norm_call(rng, (4, 8)))
+        assert raised.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        details = rpc_status.from_call(raised.value).details
+        retry, info = error_details_pb2.RetryInfo(), error_details_pb2.ErrorInfo()
+        assert any(d.Unpack(retry) for d in details) and retry.retry_delay.ToNanoseconds() > 0
+        assert any(d.Unpack(info) for d in details) and info.metadata["status"] == "561101"
+    reply = waiter.result(timeout=30)  # the queued call ran once the slot was free
+    assert set(reply.outputs) == {"gradInputOut", "gradWeightOut", "gradBiasOut"}
+    with Client(address) as c:
+        p = layer_norm_call(rng, (3, 8))
+        c.run(OP, **p)
+        assert_close(p["gradInputOut"], layer_norm_reference(p)[0])
+    assert engine.admission.running == engine.admission.waiting == 0
+
+
+def test_client_retries_a_busy_server(serve, rng):
+    _, address, engine = serve(max_concurrency=1, max_queue=0)
+    p = layer_norm_call(rng, (4, 8))
+    slot = engine.admission.slot(0)
+    slot.__enter__()
+    threading.Timer(0.15, slot.__exit__, (None, None, None)).start()
+    with Client(address) as c:
+        c.run(OP, **p)  # refused while the slot is held, then retried through
+    assert_close(p["gradInputOut"], layer_norm_reference(p)[0])
+
+
+def test_expired_deadline_is_not_run(serve, rng):
+    server, address, engine = serve(max_concurrency=1)
+    p = layer_norm_call(rng, (4, 8))
+    with engine.admission.slot(0):
+        with Client(address, timeout=0.2) as hurried, pytest.raises(AclnnError) as info:
+            hurried.run(OP, **p)
+        assert info.value.grpc_code == grpc.StatusCode.DEADLINE_EXCEEDED
+        wait_until(lambda: engine.admission.waiting == 0)  # it left the queue without running
+    assert (p["gradInputOut"] == -7.25).all()
+    runs = server.metrics.requests.labels("Run", OP, "DEADLINE")
+    wait_until(lambda: runs._value.get() >= 1)
+
+
+def test_load_mixed_valid_and_invalid_calls(serve):
+    """Several client threads, hundreds of calls, every answer checked, nothing lost."""
+    _, address, _ = serve(max_concurrency=2, max_queue=64)
+    results = []
+
+    def worker(seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        with Client(address) as c:
+            for i in range(60):
+                p = layer_norm_call(rng, (int(rng.integers(1, 9)), int(rng.integers(1, 65))))
+                if i % 3 == 0:
+                    p["rstd"] = None
+                    with pytest.raises(AclnnError) as info:
+                        c.run(OP, **p)
+                    results.append((info.value.code, info.value.param) == (161001, "rstd"))
+                elif i % 3 == 1:
+                    c.run(OP, **p)
+                    ref = layer_norm_reference(p)
+                    assert_close(p["gradInputOut"], ref[0])
+                    assert_close(p["gradBiasOut"], ref[2])
+                    results.append(True)
+                else:
+                    _, executor = c.get_workspace_size(OP, **p)
+                    c.execute(executor)
+                    assert_close(p["gradWeightOut"], layer_norm_reference(p)[1])
+                    results.append(True)
+
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        for f in [pool.submit(worker, seed) for seed in range(6)]:
+            f.result()
+    assert len(results) == 360 and all(results)
