@@ -58,10 +58,16 @@ def _explain(error: ValidationError) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     flags = vars(build_parser().parse_args(argv))
     config_file = flags.pop("config")
+    if config_file is not None and not config_file.is_file():
+        print(f"aclnn-serve: --config {config_file} is not a readable file", file=sys.stderr)
+        return 2
     try:
         options = load_options(flags, config_file)
     except ValidationError as error:
         print(f"aclnn-serve: {_explain(error)}", file=sys.stderr)
+        return 2
+    except ValueError as error:  # a config file that does not parse
+        print(f"aclnn-serve: --config {config_file}: {error}", file=sys.stderr)
         return 2
     logging.basicConfig(level=options.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

@@ -14,6 +14,7 @@ from layer_norm_cases import layer_norm_call, layer_norm_reference
 from oracle import assert_close
 
 from aclnn_client import Client
+from aclnn_server import ServerOptions
 
 
 def start(*args: str, env: dict | None = None) -> tuple[subprocess.Popen, str]:
@@ -58,8 +59,48 @@ def test_environment_configures_the_server():
 def test_help_lists_every_option():
     script = pathlib.Path(sys.executable).with_name("aclnn-serve")  # the installed console script
     out = subprocess.run([str(script), "--help"], capture_output=True, text=True, check=True).stdout
-    for flag in ("--host", "--port", "--backend", "--max-message-bytes", "--executor-ttl-s", "--max-executors"):
-        assert flag in out
+    for name in [*ServerOptions.model_fields, "config"]:
+        assert "--" + name.replace("_", "-") in out
+        assert name == "config" or f"ACLNN_{name.upper()}" in out
+
+
+def test_flags_beat_environment_beat_config_file(tmp_path):
+    config = tmp_path / "aclnn.toml"
+    config.write_text("max_queue = 3\nmax_executors = 5\nexecutor_ttl_s = 9.5\n")
+    env = {**os.environ, "ACLNN_MAX_EXECUTORS": "6", "ACLNN_EXECUTOR_TTL_S": "7"}
+    options = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from aclnn_server.cli import build_parser; from aclnn_server.config "
+            "import load_options; f = vars(build_parser().parse_args(sys.argv[1:])); c = f.pop('config'); "
+            "print(load_options(f, c).model_dump_json())",
+            "--config",
+            str(config),
+            "--executor-ttl-s",
+            "8",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=True,
+    ).stdout
+    assert '"max_queue":3' in options and '"max_executors":6' in options and '"executor_ttl_s":8.0' in options
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--port", "70000"], "--port: Input should be less than or equal to 65535"),
+        (["--host", "0.0.0.0"], "not loopback"),
+        (["--tls-cert", "/nonexistent.pem", "--tls-key", "/nonexistent.key"], "is not a readable file"),
+        (["--config", "/dev/null/aclnn.toml"], "--config /dev/null/aclnn.toml is not a readable file"),
+        (["--config", __file__], "--config"),  # not TOML
+    ],
+)
+def test_invalid_configuration_is_a_clear_error(args, message):
+    result = subprocess.run([sys.executable, "-m", "aclnn_server", *args], capture_output=True, text=True, timeout=30)
+    assert result.returncode == 2 and message in result.stderr, result.stderr
 
 
 def test_unknown_backend_is_a_clear_error():

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from ..registry import Operator
-from . import layer_norm_backward, layer_norm_grad
+from . import batch_norm_backward, batch_norm_elemt_backward, layer_norm_backward, layer_norm_grad
 
 OPERATORS: dict[str, Operator] = {
-    module.OPERATOR.name: module.OPERATOR for module in (layer_norm_backward, layer_norm_grad)
+    module.OPERATOR.name: module.OPERATOR
+    for module in (layer_norm_backward, layer_norm_grad, batch_norm_backward, batch_norm_elemt_backward)
 }
