@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import abc
-from collections.abc import Mapping
+import concurrent.futures
+import threading
+from collections.abc import Callable, Mapping
 from typing import Any
-
-import numpy as np
 
 from .binding import BoundCall, bind
 from .errors import invalid_error
-from .tensor import Tensor, Value
+from .tensor import Value
 
 
 class Executor:
@@ -36,22 +36,66 @@ class BaseClient(abc.ABC):
     Subclasses supply the transport: six primitive calls on parameter values.
     """
 
+    def __init__(self) -> None:
+        self._async = _AsyncState()
+
     def get_workspace_size(self, op: str, **params: Any) -> tuple[int, Executor]:
         """Validates and plans a call on the server; returns (workspace_size, executor)."""
         call = bind(op, params, self._output_names(op))
         workspace_size, executor_id = self._get_workspace_size(op, call.descriptors())
         return workspace_size, Executor(executor_id, call, workspace_size)
 
-    def execute(self, executor: Executor) -> None:
-        """Runs a planned call, reading the inputs' current contents, and fills its outputs in place."""
+    def execute(self, executor: Executor, *, stream: int | None = None) -> None:
+        """Runs a planned call, reading the inputs' current contents, and fills its outputs in place.
+
+        Calls naming the same `stream` run in submission order; other streams may overlap.
+        """
         if not isinstance(executor, Executor):
             raise invalid_error("executor", f"expected an Executor from get_workspace_size, got {executor!r:.60}")
-        executor.call.write_outputs(self._execute(executor, executor.call.inputs()))
+        self._in_order(stream, lambda: self._execute_now(executor, stream)).result()
 
-    def run(self, op: str, **params: Any) -> None:
+    def run(self, op: str, *, stream: int | None = None, **params: Any) -> None:
         """Both phases in one round trip; fills the outputs in place."""
         call = bind(op, params, self._output_names(op))
-        call.write_outputs(self._run(op, call.values))
+        self._in_order(stream, lambda: self._run_now(call, stream)).result()
+
+    def run_async(self, op: str, *, stream: int | None = None, **params: Any) -> concurrent.futures.Future:
+        """`run` in the background: the future's result is None once the outputs are filled."""
+        call = bind(op, params, self._output_names(op))
+        return self._in_order(stream, lambda: self._run_now(call, stream), background=True)
+
+    def _execute_now(self, executor: Executor, stream: int | None) -> None:
+        self._execute(executor, stream)
+
+    def _run_now(self, call: BoundCall, stream: int | None) -> None:
+        self._run(call, stream)
+
+    def _in_order(
+        self, stream: int | None, work: Callable[[], None], background: bool = False
+    ) -> concurrent.futures.Future:
+        """Runs `work` after every earlier call on `stream` has finished (at once without a stream).
+
+        Submission order is kept by chaining each stream's calls; the pool is FIFO, so a
+        call's predecessor always started before it and the chain cannot deadlock.
+        """
+        state = self._async
+        with state.lock:
+            previous = state.tails.get(stream) if stream is not None else None
+            inline = not background and previous is None
+            if inline:
+                future: concurrent.futures.Future = concurrent.futures.Future()
+                future.set_running_or_notify_cancel()
+            else:
+                future = state.pool().submit(_after, previous, work)
+            if stream is not None:
+                state.tails[stream] = future
+        if inline:
+            try:
+                work()
+                future.set_result(None)
+            except BaseException as exc:
+                future.set_exception(exc)
+        return future
 
     def set_executor_repeatable(self, executor: Executor) -> None:
         """Keeps the executor usable until destroy_executor (call before its first execute)."""
@@ -61,8 +105,10 @@ class BaseClient(abc.ABC):
     def destroy_executor(self, executor: Executor) -> None:
         self._destroy_executor(self._executor_id(executor))
 
-    def close(self) -> None:  # noqa: B027 - optional hook: in-process clients hold nothing
-        """Releases the transport."""
+    def close(self) -> None:
+        """Waits for background calls, then releases the transport."""
+        if self._async.executor is not None:
+            self._async.executor.shutdown(wait=True)
 
     def __enter__(self) -> BaseClient:
         return self
@@ -84,13 +130,37 @@ class BaseClient(abc.ABC):
     def _get_workspace_size(self, op: str, values: Mapping[str, Value]) -> tuple[int, str]: ...
 
     @abc.abstractmethod
-    def _execute(self, executor: Executor, inputs: Mapping[str, Tensor]) -> Mapping[str, np.ndarray]: ...
+    def _execute(self, executor: Executor, stream: int | None) -> None:
+        """Runs the executor on the call's current inputs and writes its outputs (call.write_outputs)."""
 
     @abc.abstractmethod
-    def _run(self, op: str, values: Mapping[str, Value]) -> Mapping[str, np.ndarray]: ...
+    def _run(self, call: BoundCall, stream: int | None) -> None:
+        """Runs the call in one round trip and writes its outputs (call.write_outputs)."""
 
     @abc.abstractmethod
     def _set_executor_repeatable(self, executor_id: str) -> None: ...
 
     @abc.abstractmethod
     def _destroy_executor(self, executor_id: str) -> None: ...
+
+
+def _after(previous: concurrent.futures.Future | None, work: Callable[[], None]) -> None:
+    if previous is not None:
+        concurrent.futures.wait([previous])  # its outcome is its own caller's business
+    work()
+
+
+class _AsyncState:
+    """The background pool and, per stream, the future of its latest call."""
+
+    WORKERS = 16
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.tails: dict[int | None, concurrent.futures.Future] = {}
+        self.executor: concurrent.futures.ThreadPoolExecutor | None = None
+
+    def pool(self) -> concurrent.futures.ThreadPoolExecutor:
+        if self.executor is None:
+            self.executor = concurrent.futures.ThreadPoolExecutor(self.WORKERS, thread_name_prefix="aclnn-client")
+        return self.executor

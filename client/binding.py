@@ -57,11 +57,19 @@ class BoundCall:
         """Input tensors with their storage, read from the caller's arrays now."""
         return {n: v for n, v in self.values.items() if isinstance(v, Tensor) and n not in self.output_targets}
 
-    def write_outputs(self, results: Mapping[str, np.ndarray]) -> None:
-        """Writes each result into its output's view; checks every target before writing any."""
+    def write_outputs(self, results: Mapping[str, Any]) -> None:
+        """Writes each result into its output's view; checks every target before writing any.
+
+        A result is an array, or anything with shape, dtype and write_into(view) (a download
+        that streams straight into the caller's memory).
+        """
         views = {name: _output_view(name, self.output_targets.get(name), r) for name, r in results.items()}
         for name, view in views.items():
-            view[...] = results[name]
+            result = results[name]
+            if isinstance(result, np.ndarray):
+                view[...] = result
+            else:
+                result.write_into(view)
 
 
 def bind(op: str, params: Mapping[str, Any], output_names: frozenset[str]) -> BoundCall:
@@ -73,7 +81,7 @@ def bind(op: str, params: Mapping[str, Any], output_names: frozenset[str]) -> Bo
     return BoundCall(op, values, targets)
 
 
-def _output_view(name: str, target: Any, result: np.ndarray) -> np.ndarray:
+def _output_view(name: str, target: Any, result: Any) -> np.ndarray:
     """The caller's elements a result is written to, after checking they fit it."""
     if isinstance(target, np.ndarray):
         view = target

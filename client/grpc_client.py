@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
+import secrets
 import socket
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import grpc
@@ -16,9 +18,12 @@ import numpy as np
 from ._proto import aclnn_pb2 as pb
 from ._proto import aclnn_pb2_grpc as pb_grpc
 from .api import BaseClient, Executor
+from .binding import BoundCall
 from .errors import AclnnError
-from .tensor import Tensor, Value, storage_bytes
-from .wire import decode_error, decode_outputs, encode_call
+from .tensor import Tensor, Value
+from .transfer import Region, RegionPool, byte_view, receive_into, upload_chunks
+from .types import numpy_dtype
+from .wire import decode_error, decode_output, encode_call
 
 # The server enforces its own message limit; the client accepts whatever it is sent.
 _UNLIMITED = -1
@@ -26,6 +31,8 @@ _UNLIMITED = -1
 _RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
 # How long a replica that answered UNAVAILABLE is passed over before it is tried again.
 _DOWN_S = 2.0
+# How often a client holding shared-memory regions renews its session's lease.
+_KEEPALIVE_S = 10.0
 _SERVICE_CONFIG = json.dumps(
     {
         "loadBalancingConfig": [{"round_robin": {}}],
@@ -63,6 +70,95 @@ def replica_addresses(target: str | Sequence[str]) -> list[str]:
     return [target]
 
 
+class _Download:
+    """A result kept on the server, streamed straight into the caller's output when written."""
+
+    def __init__(self, client: Client, replica: int, output: pb.OutputTensor) -> None:
+        self.client, self.replica, self.handle = client, replica, output.handle
+        self.dtype, self.shape = numpy_dtype(output.data_type), tuple(output.dims)
+
+    def write_into(self, view: np.ndarray) -> None:
+        stub = self.client._stubs[self.replica]
+        try:
+            chunks = stub.DownloadTensor(
+                pb.TensorHandle(handle=self.handle), metadata=self.client._metadata(), timeout=self.client._timeout
+            )
+            receive_into(view, chunks)
+        except grpc.RpcError as error:
+            raise decode_error(error) from None
+
+
+class _Staging:
+    """One call's bytes outside its messages: uploads, shared-memory regions, kept results.
+
+    Everything it takes is given back at exit, after the outputs were written.
+    """
+
+    def __init__(self, client: Client) -> None:
+        self.client = client
+        self.handles: list[tuple[int, str]] = []
+        self.regions: list[Region] = []
+        self.output_regions: dict[str, Region] = {}
+
+    def __enter__(self) -> _Staging:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        """Gives back what an attempt took (before a retry on another replica, or at the end)."""
+        for replica, handle in self.handles:
+            self.client._free(replica, handle)
+        self.client._regions.release(self.regions)
+        self.handles, self.regions, self.output_regions = [], [], {}
+
+    def input(self, replica: int, tensor: Tensor) -> bytes | pb.StorageRef:
+        """The tensor's storage inline, as a shared-memory slice, or uploaded in chunks (large)."""
+        data = byte_view(tensor.data)
+        region = self._region(replica, data.nbytes)
+        if region is not None:
+            region.array[: data.nbytes] = np.frombuffer(data, np.uint8)
+            return pb.StorageRef(region=pb.RegionSlice(region=region.name, offset=0, size=data.nbytes))
+        if data.nbytes > self.client.max_inline_bytes:
+            handle = self.client._upload(replica, data)
+            self.handles.append((replica, handle))
+            return pb.StorageRef(handle=handle)
+        return data.tobytes()
+
+    def place(self, replica: int, sizes: Mapping[str, int], placements: Any) -> None:
+        """Large results stay on the server (then stream back); with shared memory they land in a region."""
+        for name, size in sizes.items():
+            region = self._region(replica, size)
+            if region is not None:
+                self.output_regions[name] = region
+                placements[name].region.CopyFrom(pb.RegionSlice(region=region.name, offset=0, size=size))
+            elif size > self.client.max_inline_bytes:
+                placements[name].keep_on_server = True
+
+    def results(self, replica: int, outputs: Mapping[str, pb.OutputTensor]) -> dict[str, Any]:
+        results: dict[str, Any] = {}
+        for name, output in outputs.items():
+            if output.handle:
+                self.handles.append((replica, output.handle))
+                results[name] = _Download(self.client, replica, output)
+            elif name in self.output_regions:
+                dtype, dims = numpy_dtype(output.data_type), tuple(output.dims)
+                buffer = self.output_regions[name].array[: math.prod(dims) * dtype.itemsize]
+                results[name] = buffer.view(dtype).reshape(dims)
+            else:
+                results[name] = decode_output(output)
+        return results
+
+    def _region(self, replica: int, size: int) -> Region | None:
+        if not self.client._shared_memory or size == 0:
+            return None
+        region = self.client._region(replica, size)
+        if region is not None:
+            self.regions.append(region)
+        return region
+
+
 class Client(BaseClient):
     """Calls aclnn operators on an aclnn-serve server, or on a pool of replicas.
 
@@ -72,6 +168,11 @@ class Client(BaseClient):
     the replica that planned it; if that replica is gone, `execute` plans the call again
     elsewhere. `token` is sent as a bearer token; the certificate arguments are PEM bytes
     for TLS (all three for mutual TLS). `timeout` is each RPC's deadline in seconds.
+
+    Tensors larger than `max_inline_bytes` are streamed in chunks and referenced by handle,
+    so they may exceed gRPC's message limits (2 GiB included). With `shared_memory=True`,
+    tensor bytes go through POSIX shared memory when the server shares this host (through
+    messages otherwise).
     """
 
     def __init__(
@@ -82,9 +183,12 @@ class Client(BaseClient):
         root_certificates: bytes | None = None,
         private_key: bytes | None = None,
         certificate_chain: bytes | None = None,
+        shared_memory: bool = False,
         timeout: float | None = None,
+        max_inline_bytes: int = 4 << 20,
         options: Sequence[tuple[str, Any]] = (),
     ) -> None:
+        super().__init__()
         addresses = replica_addresses(target)
         channel_options = [
             ("grpc.max_send_message_length", _UNLIMITED),
@@ -104,29 +208,53 @@ class Client(BaseClient):
             else grpc.insecure_channel(a, channel_options)
             for a in addresses
         ]
-        self._down_until = [0.0] * len(addresses)
         self._stubs = [pb_grpc.AclnnStub(c) for c in self._channels]
+        self._down_until = [0.0] * len(addresses)
         self._turn = itertools.count()
-        self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        self._base_metadata = (("x-aclnn-session", secrets.token_hex(16)),)
+        if token:
+            self._base_metadata += (("authorization", f"Bearer {token}"),)
         self._timeout = timeout
+        self.max_inline_bytes = max_inline_bytes
+        self._shared_memory = shared_memory
+        self._regions = RegionPool()
+        self._registered: set[tuple[int, str]] = set()
+        self._keepalive: threading.Thread | None = None
+        self._closed = threading.Event()
         self._operators: dict[str, frozenset[str]] | None = None
         self._operators_lock = threading.Lock()
 
     def close(self) -> None:
+        super().close()
+        self._closed.set()
+        for replica, name in list(self._registered):
+            try:
+                self._call_on(replica, "UnregisterRegion", pb.RegisterRegionRequest(region=name))
+            except AclnnError:
+                pass  # the server is gone: its lease on our session lapses by itself
+        self._registered.clear()
+        self._regions.close()
         for channel in self._channels:
             channel.close()
 
     def list_operators(self) -> dict[str, list[dict[str, Any]]]:
         """The server's operators and their parameters (name, kind, output, optional)."""
-        reply, _ = self._call_any("ListOperators", pb.Empty())
+        reply, _ = self._call_any("ListOperators", lambda replica: pb.Empty())
         return {
             op.name: [{"name": p.name, "kind": p.kind, "output": p.output, "optional": p.optional} for p in op.params]
             for op in reply.operators
         }
 
-    def _call_on(self, replica: int, method: str, request: Any) -> Any:
+    # Calls ----------------------------------------------------------------------------------
+
+    def _metadata(self, stream: int | None = None) -> tuple[tuple[str, str], ...]:
+        return self._base_metadata if stream is None else (*self._base_metadata, ("x-aclnn-stream", str(stream)))
+
+    def _call_on(self, replica: int, method: str, request: Any, stream: int | None = None) -> Any:
         try:
-            return getattr(self._stubs[replica], method)(request, metadata=self._metadata, timeout=self._timeout)
+            return getattr(self._stubs[replica], method)(
+                request, metadata=self._metadata(stream), timeout=self._timeout
+            )
         except grpc.RpcError as error:
             raise decode_error(error) from None
 
@@ -140,13 +268,13 @@ class Client(BaseClient):
                 return replica
         return first
 
-    def _call_any(self, method: str, request: Any) -> tuple[Any, int]:
-        """Calls the next replica in turn; a gone or busy one hands the call to the next."""
+    def _call_any(self, method: str, build: Callable[[int], Any], stream: int | None = None) -> tuple[Any, int]:
+        """Builds the request for the next replica in turn and calls it; a gone or busy one hands it on."""
         attempts = max(3, 2 * len(self._stubs))
         for attempt in range(attempts):
             replica = self._next_replica()
             try:
-                return self._call_on(replica, method, request), replica
+                return self._call_on(replica, method, build(replica), stream), replica
             except AclnnError as error:
                 if error.grpc_code not in _RETRYABLE or attempt == attempts - 1:
                     raise
@@ -166,36 +294,124 @@ class Client(BaseClient):
         return self._operators.get(op, frozenset())
 
     def _get_workspace_size(self, op: str, values: Mapping[str, Value]) -> tuple[int, str]:
-        plan, replica = self._call_any("GetWorkspaceSize", encode_call(op, values))
+        plan, replica = self._call_any("GetWorkspaceSize", lambda replica: encode_call(op, values))
         return plan.workspace_size, f"{replica}/{plan.executor}"
 
-    def _execute(self, executor: Executor, inputs: Mapping[str, Tensor]) -> Mapping[str, np.ndarray]:
-        request = pb.ExecuteRequest(inputs={name: storage_bytes(t) for name, t in inputs.items()})
-        try:
-            return self._on_executor(executor.id, "Execute", request)
-        except AclnnError as error:
-            if error.grpc_code != grpc.StatusCode.UNAVAILABLE:
-                raise
-        self._replan(executor)  # its replica is gone: the executor went with it
-        return self._on_executor(executor.id, "Execute", request)
+    def _execute(self, executor: Executor, stream: int | None) -> None:
+        call = executor.call
+        sizes = _output_sizes(call.values, call.output_targets)
+        for attempt in range(2):
+            replica, _, server_id = executor.id.partition("/")
+            with _Staging(self) as staging:
+                request = pb.ExecuteRequest(executor=server_id)
+                for name, tensor in call.inputs().items():
+                    staged = staging.input(int(replica), tensor)
+                    if isinstance(staged, bytes):
+                        request.inputs[name] = staged
+                    else:
+                        request.input_refs[name].CopyFrom(staged)
+                staging.place(int(replica), sizes, request.placements)
+                try:
+                    reply = self._call_on(int(replica), "Execute", request, stream)
+                except AclnnError as error:
+                    if error.grpc_code != grpc.StatusCode.UNAVAILABLE or attempt:
+                        raise
+                    self._replan(executor)  # its replica is gone, and the executor with it
+                    continue
+                call.write_outputs(staging.results(int(replica), reply.outputs))
+                return
+
+    def _run(self, call: BoundCall, stream: int | None) -> None:
+        sizes = _output_sizes(call.values, call.output_targets)
+        with _Staging(self) as staging:
+
+            def build(replica: int) -> pb.OpCall:
+                staging.reset()  # a previous attempt's uploads and regions belong to another replica
+                request = encode_call(call.op, call.descriptors())
+                for name, tensor in call.inputs().items():
+                    staged = staging.input(replica, tensor)
+                    if isinstance(staged, bytes):
+                        request.params[name].tensor.data = staged
+                    else:
+                        request.params[name].tensor.ref.CopyFrom(staged)
+                staging.place(replica, sizes, request.placements)
+                return request
+
+            reply, replica = self._call_any("Run", build, stream)
+            call.write_outputs(staging.results(replica, reply.outputs))
 
     def _replan(self, executor: Executor) -> None:
         executor.workspace_size, executor.id = self._get_workspace_size(executor.op, executor.call.descriptors())
         if executor.repeatable:
             self._set_executor_repeatable(executor.id)
 
-    def _on_executor(self, executor_id: str, method: str, request: Any) -> Any:
+    def _on_executor(self, executor_id: str, method: str) -> None:
         replica, _, server_id = executor_id.partition("/")
-        request.executor = server_id
-        reply = self._call_on(int(replica), method, request)
-        return decode_outputs(reply.outputs) if method == "Execute" else reply
-
-    def _run(self, op: str, values: Mapping[str, Value]) -> Mapping[str, np.ndarray]:
-        reply, _ = self._call_any("Run", encode_call(op, values))
-        return decode_outputs(reply.outputs)
+        self._call_on(int(replica), method, pb.ExecutorRef(executor=server_id))
 
     def _set_executor_repeatable(self, executor_id: str) -> None:
-        self._on_executor(executor_id, "SetExecutorRepeatable", pb.ExecutorRef())
+        self._on_executor(executor_id, "SetExecutorRepeatable")
 
     def _destroy_executor(self, executor_id: str) -> None:
-        self._on_executor(executor_id, "DestroyExecutor", pb.ExecutorRef())
+        self._on_executor(executor_id, "DestroyExecutor")
+
+    # Bytes outside messages -------------------------------------------------------------------
+
+    def _upload(self, replica: int, data: memoryview) -> str:
+        try:
+            reply = self._stubs[replica].UploadTensor(
+                upload_chunks(data), metadata=self._metadata(), timeout=self._timeout
+            )
+        except grpc.RpcError as error:
+            raise decode_error(error) from None
+        return reply.handle
+
+    def _free(self, replica: int, handle: str) -> None:
+        try:
+            self._call_on(replica, "FreeTensor", pb.TensorHandle(handle=handle))
+        except AclnnError:
+            pass  # gone with its replica, or freed when the session lapses
+
+    def _region(self, replica: int, size: int) -> Region | None:
+        """A pooled region registered with `replica`, or None when the server cannot map it (another host)."""
+        region, _ = self._regions.acquire(size)
+        key = (replica, region.name)
+        if key not in self._registered:
+            try:
+                self._call_on(replica, "RegisterRegion", pb.RegisterRegionRequest(region=region.name, size=region.size))
+            except AclnnError as error:
+                self._regions.release([region])
+                if error.param != "region":
+                    raise
+                self._shared_memory = False  # the server is not on this host: messages from now on
+                return None
+            self._registered.add(key)
+            self._start_keepalive()
+        return region
+
+    def _start_keepalive(self) -> None:
+        """Renews the session's lease while regions are registered, so the server keeps them mapped."""
+        if self._keepalive is not None:
+            return
+
+        def renew() -> None:
+            while not self._closed.wait(_KEEPALIVE_S):
+                for replica in {r for r, _ in self._registered}:
+                    try:
+                        self._call_on(replica, "KeepAlive", pb.Empty())
+                    except AclnnError:
+                        pass
+
+        self._keepalive = threading.Thread(target=renew, name="aclnn-keepalive", daemon=True)
+        self._keepalive.start()
+
+
+def _output_sizes(values: Mapping[str, Value], outputs: Any) -> dict[str, int]:
+    """Bytes of each output's result (its view's elements), from its descriptor."""
+    sizes = {}
+    for name in outputs:
+        tensor = values.get(name)
+        dtype = numpy_dtype(tensor.data_type) if isinstance(tensor, Tensor) else None
+        if dtype is not None and all(d >= 0 for d in tensor.view_dims):
+            sizes[name] = math.prod(tensor.view_dims) * dtype.itemsize
+    return sizes

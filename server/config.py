@@ -50,6 +50,9 @@ class ServerOptions(BaseSettings):
     )
     executor_ttl_s: float = Field(300.0, gt=0, description="seconds before a never-executed executor expires")
     max_executors: int = Field(4096, ge=1, description="executors alive at once")
+    session_ttl_s: float = Field(
+        60.0, gt=0, description="seconds a client session's tensors and regions outlive its last call"
+    )
     grace_period_s: float = Field(10.0, ge=0, description="seconds in-flight calls get to finish on SIGTERM")
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="logging level")
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,9 +40,14 @@ class CallContext:
     """Who is calling and until when; the engine records where the time went."""
 
     owner: str | None = None  # executors made under one owner are invisible to others
+    session: str | None = None  # the client session holding its handles and regions
+    stream: int | None = None  # calls on one stream (per owner) never run concurrently
+    placed: frozenset[str] = frozenset()  # outputs the transport delivers outside its reply
     deadline: float | None = None  # time.monotonic() after which the work is not started
     cancelled: Callable[[], bool] = field(default=lambda: False)
     op: str = ""
+    bytes_in: int = 0  # bytes a streaming call moved (unary calls measure their messages)
+    bytes_out: int = 0
     queue_s: float = 0.0
     validation_s: float = 0.0
     compute_s: float = 0.0
@@ -59,13 +66,19 @@ class Engine:
         max_result_bytes: int | None = None,
         max_concurrency: int = 2,
         max_queue: int = 64,
+        device: int = 0,
+        torch_device: str = "cpu",
     ) -> None:
-        self.backend = create_backend(backend) if isinstance(backend, str) else backend
+        if isinstance(backend, str):
+            backend = create_backend(backend, device=device, torch_device=torch_device)
+        self.backend = backend
         self.executors = ExecutorStore(executor_ttl_s, max_executors)
         self.memory_budget_bytes = memory_budget_bytes or default_memory_budget()
         # A transport that returns results in one message caps their size (None: no cap).
         self.max_result_bytes = max_result_bytes
         self.admission = Admission(max_concurrency, max_queue, self.memory_budget_bytes)
+        self._streams: weakref.WeakValueDictionary[tuple, _StreamLock] = weakref.WeakValueDictionary()
+        self._streams_lock = threading.Lock()
 
     @property
     def operators(self) -> Mapping[str, Operator]:
@@ -113,11 +126,30 @@ class Engine:
     @contextlib.contextmanager
     def _admitted(self, plan: Plan, workspace_size: int, call: CallContext) -> Iterator[None]:
         """An execution slot for the call's inputs, outputs and workspace (see Admission)."""
+        inline = [t for name, t in plan.outputs.items() if name not in call.placed]
+        inline_bytes = sum(t.numel * t.dtype.itemsize for t in inline)
+        if self.max_result_bytes is not None and inline_bytes > self.max_result_bytes:
+            raise invalid_error(
+                inline[0].name,
+                f"results of {inline_bytes} bytes exceed the max message size of {self.max_result_bytes}: "
+                "keep them on the server (placements) or raise --max-message-bytes",
+            )
         held = workspace_size + sum(t.storage_nbytes for t in plan.inputs.values())
         held += sum(t.numel * t.dtype.itemsize for t in plan.outputs.values())
-        with self.admission.slot(held, call.deadline, call.cancelled) as waited:
+        with self._stream(call), self.admission.slot(held, call.deadline, call.cancelled) as waited:
             call.queue_s += waited
             yield
+
+    def _stream(self, call: CallContext) -> contextlib.AbstractContextManager:
+        """The lock that keeps one stream's calls from overlapping (clients submit them in order)."""
+        if call.stream is None:
+            return contextlib.nullcontext()
+        with self._streams_lock:
+            key = (call.owner, call.session, call.stream)
+            lock = self._streams.get(key)
+            if lock is None:
+                lock = self._streams[key] = _StreamLock()
+        return lock
 
     def _plan(self, op: str, values: Mapping[str, Value], call: CallContext) -> tuple[Operator, Plan, int]:
         started = time.perf_counter()
@@ -141,13 +173,7 @@ class Engine:
         for t in [*plan.inputs.values(), *plan.outputs.values()]:
             if t.numel * t.dtype.itemsize > budget:
                 raise invalid_error(t.name, f"a view of {t.numel} elements exceeds the server's memory budget")
-        result_bytes = sum(t.numel * t.dtype.itemsize for t in plan.outputs.values())
-        if self.max_result_bytes is not None and result_bytes > self.max_result_bytes:
-            raise invalid_error(
-                next(iter(plan.outputs)),
-                f"results of {result_bytes} bytes exceed the server's max message size of {self.max_result_bytes}",
-            )
-        total = workspace_size + result_bytes
+        total = workspace_size + sum(t.numel * t.dtype.itemsize for t in plan.outputs.values())
         if total > budget:
             raise invalid_error(
                 next(iter(plan.outputs), "op"),
@@ -186,7 +212,10 @@ class Engine:
                 args.setdefault(spec.name, outputs.get(spec.name))
         started = time.perf_counter()
         try:
-            self.backend.compute(operator, plan, args)
+            if getattr(self.backend, "accepts_stream", False):  # the NPU maps client streams to ACL streams
+                self.backend.compute(operator, plan, args, stream=call.stream)
+            else:
+                self.backend.compute(operator, plan, args)
         except AclnnError:
             raise
         except Exception as exc:  # a backend bug must not take the server down or write anything
@@ -195,3 +224,16 @@ class Engine:
         finally:
             call.compute_s += time.perf_counter() - started
         return outputs
+
+
+class _StreamLock:
+    """A lock that a weak dictionary can hold: it lives while some call uses its stream."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+
+    def __enter__(self) -> None:
+        self._lock.acquire()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._lock.release()

@@ -5,12 +5,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-import numpy as np
-
 from aclnn_client.api import BaseClient, Executor
-from aclnn_client.tensor import Tensor, Value
+from aclnn_client.binding import BoundCall
+from aclnn_client.tensor import Value
 
-from .engine import Engine
+from .engine import CallContext, Engine
 
 
 class LocalClient(BaseClient):
@@ -21,7 +20,15 @@ class LocalClient(BaseClient):
     """
 
     def __init__(self, backend: str = "numpy", **engine_options: Any) -> None:
+        super().__init__()
         self.engine = Engine(backend, **engine_options)
+        self._owns_backend = isinstance(backend, str)  # a backend passed in belongs to the caller
+
+    def close(self) -> None:
+        super().close()
+        close = getattr(self.engine.backend, "close", None)
+        if self._owns_backend and close is not None:
+            close()
 
     def _output_names(self, op: str) -> frozenset[str]:
         operator = self.engine.operators.get(op)
@@ -30,11 +37,12 @@ class LocalClient(BaseClient):
     def _get_workspace_size(self, op: str, values: Mapping[str, Value]) -> tuple[int, str]:
         return self.engine.get_workspace_size(op, values)
 
-    def _execute(self, executor: Executor, inputs: Mapping[str, Tensor]) -> Mapping[str, np.ndarray]:
-        return self.engine.execute(executor.id, {name: t.data for name, t in inputs.items()})
+    def _execute(self, executor: Executor, stream: int | None) -> None:
+        data = {name: t.data for name, t in executor.call.inputs().items()}
+        executor.call.write_outputs(self.engine.execute(executor.id, data, CallContext(stream=stream)))
 
-    def _run(self, op: str, values: Mapping[str, Value]) -> Mapping[str, np.ndarray]:
-        return self.engine.run(op, values)[1]
+    def _run(self, call: BoundCall, stream: int | None) -> None:
+        call.write_outputs(self.engine.run(call.op, call.values, CallContext(stream=stream))[1])
 
     def _set_executor_repeatable(self, executor_id: str) -> None:
         self.engine.set_executor_repeatable(executor_id)

@@ -9,7 +9,7 @@ from aclnn_client import Client
 from aclnn_server import LocalClient, ServerOptions, create_server
 
 # Backends every conformance test runs on; a new backend joins the suite by being listed here.
-BACKENDS = ("numpy",)
+BACKENDS = ("numpy", "cpu")
 
 
 @pytest.fixture(scope="session", params=BACKENDS)

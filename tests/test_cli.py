@@ -121,3 +121,15 @@ def test_port_in_use_is_a_clear_error():
     finally:
         proc.terminate()
         proc.wait(timeout=20)
+
+
+def test_npu_backend_without_cann_is_a_clear_error():
+    env = {k: v for k, v in os.environ.items() if k not in ("ACLNN_CANN_LIB_DIR", "ASCEND_HOME_PATH")}
+    result = subprocess.run(
+        [sys.executable, "-m", "aclnn_server", "--backend", "npu", "--port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+    assert result.returncode == 1 and "libascendcl.so" in result.stderr, result.stderr

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class Tensor(_message.Message):
-    __slots__ = ("data_type", "format", "view_dims", "strides", "offset", "storage_dims", "data")
+    __slots__ = ("data_type", "format", "view_dims", "strides", "offset", "storage_dims", "data", "ref")
     DATA_TYPE_FIELD_NUMBER: _ClassVar[int]
     FORMAT_FIELD_NUMBER: _ClassVar[int]
     VIEW_DIMS_FIELD_NUMBER: _ClassVar[int]
@@ -16,6 +16,7 @@ class Tensor(_message.Message):
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     STORAGE_DIMS_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    REF_FIELD_NUMBER: _ClassVar[int]
     data_type: int
     format: int
     view_dims: _containers.RepeatedScalarFieldContainer[int]
@@ -23,7 +24,34 @@ class Tensor(_message.Message):
     offset: int
     storage_dims: _containers.RepeatedScalarFieldContainer[int]
     data: bytes
-    def __init__(self, data_type: _Optional[int] = ..., format: _Optional[int] = ..., view_dims: _Optional[_Iterable[int]] = ..., strides: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., storage_dims: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
+    ref: StorageRef
+    def __init__(self, data_type: _Optional[int] = ..., format: _Optional[int] = ..., view_dims: _Optional[_Iterable[int]] = ..., strides: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., storage_dims: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., ref: _Optional[_Union[StorageRef, _Mapping]] = ...) -> None: ...
+
+class StorageRef(_message.Message):
+    __slots__ = ("handle", "region")
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    REGION_FIELD_NUMBER: _ClassVar[int]
+    handle: str
+    region: RegionSlice
+    def __init__(self, handle: _Optional[str] = ..., region: _Optional[_Union[RegionSlice, _Mapping]] = ...) -> None: ...
+
+class RegionSlice(_message.Message):
+    __slots__ = ("region", "offset", "size")
+    REGION_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    region: str
+    offset: int
+    size: int
+    def __init__(self, region: _Optional[str] = ..., offset: _Optional[int] = ..., size: _Optional[int] = ...) -> None: ...
+
+class OutputPlacement(_message.Message):
+    __slots__ = ("keep_on_server", "region")
+    KEEP_ON_SERVER_FIELD_NUMBER: _ClassVar[int]
+    REGION_FIELD_NUMBER: _ClassVar[int]
+    keep_on_server: bool
+    region: RegionSlice
+    def __init__(self, keep_on_server: _Optional[bool] = ..., region: _Optional[_Union[RegionSlice, _Mapping]] = ...) -> None: ...
 
 class IntArray(_message.Message):
     __slots__ = ("values",)
@@ -56,7 +84,7 @@ class Value(_message.Message):
     def __init__(self, tensor: _Optional[_Union[Tensor, _Mapping]] = ..., int_array: _Optional[_Union[IntArray, _Mapping]] = ..., bool_array: _Optional[_Union[BoolArray, _Mapping]] = ..., bool_value: _Optional[bool] = ..., int_value: _Optional[int] = ..., double_value: _Optional[float] = ..., string_value: _Optional[str] = ...) -> None: ...
 
 class OpCall(_message.Message):
-    __slots__ = ("op", "params")
+    __slots__ = ("op", "params", "placements")
     class ParamsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -64,11 +92,20 @@ class OpCall(_message.Message):
         key: str
         value: Value
         def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[Value, _Mapping]] = ...) -> None: ...
+    class PlacementsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: OutputPlacement
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[OutputPlacement, _Mapping]] = ...) -> None: ...
     OP_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
+    PLACEMENTS_FIELD_NUMBER: _ClassVar[int]
     op: str
     params: _containers.MessageMap[str, Value]
-    def __init__(self, op: _Optional[str] = ..., params: _Optional[_Mapping[str, Value]] = ...) -> None: ...
+    placements: _containers.MessageMap[str, OutputPlacement]
+    def __init__(self, op: _Optional[str] = ..., params: _Optional[_Mapping[str, Value]] = ..., placements: _Optional[_Mapping[str, OutputPlacement]] = ...) -> None: ...
 
 class WorkspacePlan(_message.Message):
     __slots__ = ("workspace_size", "executor")
@@ -79,7 +116,7 @@ class WorkspacePlan(_message.Message):
     def __init__(self, workspace_size: _Optional[int] = ..., executor: _Optional[str] = ...) -> None: ...
 
 class ExecuteRequest(_message.Message):
-    __slots__ = ("executor", "inputs")
+    __slots__ = ("executor", "inputs", "input_refs", "placements")
     class InputsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -87,21 +124,67 @@ class ExecuteRequest(_message.Message):
         key: str
         value: bytes
         def __init__(self, key: _Optional[str] = ..., value: _Optional[bytes] = ...) -> None: ...
+    class InputRefsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: StorageRef
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[StorageRef, _Mapping]] = ...) -> None: ...
+    class PlacementsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: OutputPlacement
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[OutputPlacement, _Mapping]] = ...) -> None: ...
     EXECUTOR_FIELD_NUMBER: _ClassVar[int]
     INPUTS_FIELD_NUMBER: _ClassVar[int]
+    INPUT_REFS_FIELD_NUMBER: _ClassVar[int]
+    PLACEMENTS_FIELD_NUMBER: _ClassVar[int]
     executor: str
     inputs: _containers.ScalarMap[str, bytes]
-    def __init__(self, executor: _Optional[str] = ..., inputs: _Optional[_Mapping[str, bytes]] = ...) -> None: ...
+    input_refs: _containers.MessageMap[str, StorageRef]
+    placements: _containers.MessageMap[str, OutputPlacement]
+    def __init__(self, executor: _Optional[str] = ..., inputs: _Optional[_Mapping[str, bytes]] = ..., input_refs: _Optional[_Mapping[str, StorageRef]] = ..., placements: _Optional[_Mapping[str, OutputPlacement]] = ...) -> None: ...
 
 class OutputTensor(_message.Message):
-    __slots__ = ("data_type", "dims", "data")
+    __slots__ = ("data_type", "dims", "data", "handle")
     DATA_TYPE_FIELD_NUMBER: _ClassVar[int]
     DIMS_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
     data_type: int
     dims: _containers.RepeatedScalarFieldContainer[int]
     data: bytes
-    def __init__(self, data_type: _Optional[int] = ..., dims: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
+    handle: str
+    def __init__(self, data_type: _Optional[int] = ..., dims: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., handle: _Optional[str] = ...) -> None: ...
+
+class TensorChunk(_message.Message):
+    __slots__ = ("total_size", "offset", "data")
+    TOTAL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    total_size: int
+    offset: int
+    data: bytes
+    def __init__(self, total_size: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class TensorHandle(_message.Message):
+    __slots__ = ("handle", "size")
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    handle: str
+    size: int
+    def __init__(self, handle: _Optional[str] = ..., size: _Optional[int] = ...) -> None: ...
+
+class RegisterRegionRequest(_message.Message):
+    __slots__ = ("region", "size")
+    REGION_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    region: str
+    size: int
+    def __init__(self, region: _Optional[str] = ..., size: _Optional[int] = ...) -> None: ...
 
 class ExecuteResponse(_message.Message):
     __slots__ = ("outputs",)

@@ -65,6 +65,36 @@ class AclnnStub:
                 request_serializer=aclnn_dot_v1_dot_aclnn__pb2.Empty.SerializeToString,
                 response_deserializer=aclnn_dot_v1_dot_aclnn__pb2.OperatorList.FromString,
                 _registered_method=True)
+        self.UploadTensor = channel.stream_unary(
+                '/aclnn.v1.Aclnn/UploadTensor',
+                request_serializer=aclnn_dot_v1_dot_aclnn__pb2.TensorChunk.SerializeToString,
+                response_deserializer=aclnn_dot_v1_dot_aclnn__pb2.TensorHandle.FromString,
+                _registered_method=True)
+        self.DownloadTensor = channel.unary_stream(
+                '/aclnn.v1.Aclnn/DownloadTensor',
+                request_serializer=aclnn_dot_v1_dot_aclnn__pb2.TensorHandle.SerializeToString,
+                response_deserializer=aclnn_dot_v1_dot_aclnn__pb2.TensorChunk.FromString,
+                _registered_method=True)
+        self.FreeTensor = channel.unary_unary(
+                '/aclnn.v1.Aclnn/FreeTensor',
+                request_serializer=aclnn_dot_v1_dot_aclnn__pb2.TensorHandle.SerializeToString,
+                response_deserializer=aclnn_dot_v1_dot_aclnn__pb2.Empty.FromString,
+                _registered_method=True)
+        self.RegisterRegion = channel.unary_unary(
+                '/aclnn.v1.Aclnn/RegisterRegion',
+                request_serializer=aclnn_dot_v1_dot_aclnn__pb2.RegisterRegionRequest.SerializeToString,
+                response_deserializer=aclnn_dot_v1_dot_aclnn__pb2.Empty.FromString,
+                _registered_method=True)
+        self.UnregisterRegion = channel.unary_unary(
+                '/aclnn.v1.Aclnn/UnregisterRegion',
+                request_serializer=aclnn_dot_v1_dot_aclnn__pb2.RegisterRegionRequest.SerializeToString,
+                response_deserializer=aclnn_dot_v1_dot_aclnn__pb2.Empty.FromString,
+                _registered_method=True)
+        self.KeepAlive = channel.unary_unary(
+                '/aclnn.v1.Aclnn/KeepAlive',
+                request_serializer=aclnn_dot_v1_dot_aclnn__pb2.Empty.SerializeToString,
+                response_deserializer=aclnn_dot_v1_dot_aclnn__pb2.Empty.FromString,
+                _registered_method=True)
 
 
 class AclnnServicer:
@@ -112,6 +142,45 @@ class AclnnServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def UploadTensor(self, request_iterator, context):
+        """Large tensors: upload in chunks (client streaming), reference by handle, download in chunks.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DownloadTensor(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def FreeTensor(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RegisterRegion(self, request, context):
+        """Same-host shared memory: the server maps a client's region; tensors reference slices of it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnregisterRegion(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def KeepAlive(self, request, context):
+        """Renews the calling session's lease; its handles and regions are freed when it lapses.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AclnnServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -144,6 +213,36 @@ def add_AclnnServicer_to_server(servicer, server):
                     servicer.ListOperators,
                     request_deserializer=aclnn_dot_v1_dot_aclnn__pb2.Empty.FromString,
                     response_serializer=aclnn_dot_v1_dot_aclnn__pb2.OperatorList.SerializeToString,
+            ),
+            'UploadTensor': grpc.stream_unary_rpc_method_handler(
+                    servicer.UploadTensor,
+                    request_deserializer=aclnn_dot_v1_dot_aclnn__pb2.TensorChunk.FromString,
+                    response_serializer=aclnn_dot_v1_dot_aclnn__pb2.TensorHandle.SerializeToString,
+            ),
+            'DownloadTensor': grpc.unary_stream_rpc_method_handler(
+                    servicer.DownloadTensor,
+                    request_deserializer=aclnn_dot_v1_dot_aclnn__pb2.TensorHandle.FromString,
+                    response_serializer=aclnn_dot_v1_dot_aclnn__pb2.TensorChunk.SerializeToString,
+            ),
+            'FreeTensor': grpc.unary_unary_rpc_method_handler(
+                    servicer.FreeTensor,
+                    request_deserializer=aclnn_dot_v1_dot_aclnn__pb2.TensorHandle.FromString,
+                    response_serializer=aclnn_dot_v1_dot_aclnn__pb2.Empty.SerializeToString,
+            ),
+            'RegisterRegion': grpc.unary_unary_rpc_method_handler(
+                    servicer.RegisterRegion,
+                    request_deserializer=aclnn_dot_v1_dot_aclnn__pb2.RegisterRegionRequest.FromString,
+                    response_serializer=aclnn_dot_v1_dot_aclnn__pb2.Empty.SerializeToString,
+            ),
+            'UnregisterRegion': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnregisterRegion,
+                    request_deserializer=aclnn_dot_v1_dot_aclnn__pb2.RegisterRegionRequest.FromString,
+                    response_serializer=aclnn_dot_v1_dot_aclnn__pb2.Empty.SerializeToString,
+            ),
+            'KeepAlive': grpc.unary_unary_rpc_method_handler(
+                    servicer.KeepAlive,
+                    request_deserializer=aclnn_dot_v1_dot_aclnn__pb2.Empty.FromString,
+                    response_serializer=aclnn_dot_v1_dot_aclnn__pb2.Empty.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -308,6 +407,168 @@ class Aclnn:
             '/aclnn.v1.Aclnn/ListOperators',
             aclnn_dot_v1_dot_aclnn__pb2.Empty.SerializeToString,
             aclnn_dot_v1_dot_aclnn__pb2.OperatorList.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UploadTensor(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/aclnn.v1.Aclnn/UploadTensor',
+            aclnn_dot_v1_dot_aclnn__pb2.TensorChunk.SerializeToString,
+            aclnn_dot_v1_dot_aclnn__pb2.TensorHandle.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DownloadTensor(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/aclnn.v1.Aclnn/DownloadTensor',
+            aclnn_dot_v1_dot_aclnn__pb2.TensorHandle.SerializeToString,
+            aclnn_dot_v1_dot_aclnn__pb2.TensorChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FreeTensor(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/aclnn.v1.Aclnn/FreeTensor',
+            aclnn_dot_v1_dot_aclnn__pb2.TensorHandle.SerializeToString,
+            aclnn_dot_v1_dot_aclnn__pb2.Empty.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RegisterRegion(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/aclnn.v1.Aclnn/RegisterRegion',
+            aclnn_dot_v1_dot_aclnn__pb2.RegisterRegionRequest.SerializeToString,
+            aclnn_dot_v1_dot_aclnn__pb2.Empty.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnregisterRegion(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/aclnn.v1.Aclnn/UnregisterRegion',
+            aclnn_dot_v1_dot_aclnn__pb2.RegisterRegionRequest.SerializeToString,
+            aclnn_dot_v1_dot_aclnn__pb2.Empty.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def KeepAlive(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/aclnn.v1.Aclnn/KeepAlive',
+            aclnn_dot_v1_dot_aclnn__pb2.Empty.SerializeToString,
+            aclnn_dot_v1_dot_aclnn__pb2.Empty.FromString,
             options,
             channel_credentials,
             insecure,

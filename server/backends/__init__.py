@@ -1,7 +1,8 @@
 """Compute backends. Each runs every registered operator on validated inputs.
 
-`numpy` is the reference (each operator module's own `compute`); further backends
-register here under the names INTERFACE.md gives them.
+`numpy` is the reference (each operator module's own `compute`); `cpu` (Numba kernels),
+`torch` (aten ops on a torch device) and `npu` (CANN through ctypes) compute the same
+operators; `auto` picks the best one present.
 """
 
 from __future__ import annotations
@@ -33,11 +34,39 @@ class NumpyBackend:
         operator.compute(**args)
 
 
-BACKENDS = ("numpy", "auto")
+BACKENDS = ("auto", "numpy", "cpu", "torch", "npu")
 
 
-def create_backend(name: str) -> Backend:
-    """The backend called `name`; `auto` picks the fastest one available here."""
-    if name in ("numpy", "auto"):
+def create_backend(name: str, *, device: int = 0, torch_device: str = "cpu") -> Backend:
+    """The backend called `name`; `auto` picks the best available: the NPU, else the fastest CPU one.
+
+    Heavy imports (Numba, torch, CANN) happen only for the backend asked for.
+    """
+    if name == "auto":
+        from .npu import NpuBackend
+
+        try:
+            return NpuBackend(device)
+        except RuntimeError:
+            pass  # no CANN or no device here: the CPU backends
+        try:
+            import numba  # noqa: F401  (the cpu backend's one extra dependency)
+        except ImportError:
+            name = "numpy"
+        else:
+            name = "cpu"
+    if name == "numpy":
         return NumpyBackend()
+    if name == "cpu":
+        from .cpu import CpuBackend
+
+        return CpuBackend()
+    if name == "torch":
+        from .torch_backend import TorchBackend
+
+        return TorchBackend(torch_device)
+    if name == "npu":
+        from .npu import NpuBackend
+
+        return NpuBackend(device)
     raise ValueError(f"unknown backend {name!r}; choose one of {', '.join(BACKENDS)}")

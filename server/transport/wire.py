@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
 
 import numpy as np
 
@@ -10,8 +11,15 @@ from aclnn_client._proto import aclnn_pb2 as pb
 from aclnn_client.tensor import BoolArray, IntArray, Tensor, Value
 from aclnn_client.types import data_type_of
 
+StorageResolver = Callable[[pb.StorageRef], Any]
 
-def decode_tensor(message: pb.Tensor) -> Tensor:
+
+def decode_tensor(message: pb.Tensor, resolve: StorageResolver) -> Tensor:
+    """A tensor; bytes held on the server (`ref`) are looked up through `resolve`."""
+    if message.HasField("data"):
+        data = message.data
+    else:
+        data = resolve(message.ref) if message.HasField("ref") else None
     return Tensor(
         view_dims=tuple(message.view_dims),
         data_type=message.data_type,
@@ -19,17 +27,17 @@ def decode_tensor(message: pb.Tensor) -> Tensor:
         offset=message.offset,
         format=message.format,
         storage_dims=tuple(message.storage_dims),
-        data=message.data if message.HasField("data") else None,
+        data=data,
     )
 
 
-def decode_value(message: pb.Value) -> Value:
+def decode_value(message: pb.Value, resolve: StorageResolver) -> Value:
     """A parameter value; a Value with no kind set is an explicit null pointer."""
     kind = message.WhichOneof("kind")
     if kind is None:
         return None
     if kind == "tensor":
-        return decode_tensor(message.tensor)
+        return decode_tensor(message.tensor, resolve)
     if kind == "int_array":
         return IntArray(message.int_array.values)
     if kind == "bool_array":
@@ -37,12 +45,17 @@ def decode_value(message: pb.Value) -> Value:
     return getattr(message, kind)
 
 
-def decode_params(params: Mapping[str, pb.Value]) -> dict[str, Value]:
-    return {name: decode_value(value) for name, value in params.items()}
+def decode_params(params: Mapping[str, pb.Value], resolve: StorageResolver) -> dict[str, Value]:
+    return {name: decode_value(value, resolve) for name, value in params.items()}
 
 
-def encode_outputs(outputs: Mapping[str, np.ndarray]) -> dict[str, pb.OutputTensor]:
-    return {
-        name: pb.OutputTensor(data_type=data_type_of(array.dtype), dims=array.shape, data=array.tobytes())
-        for name, array in outputs.items()
-    }
+def output_tensor(array: np.ndarray, inline: bool = True, handle: str = "") -> pb.OutputTensor:
+    data = array.tobytes() if inline else b""
+    return pb.OutputTensor(data_type=data_type_of(array.dtype), dims=array.shape, data=data, handle=handle)
+
+
+def chunks(buffer: memoryview, chunk_bytes: int) -> Iterator[pb.TensorChunk]:
+    """A buffer as TensorChunks of at most chunk_bytes (one empty chunk for no bytes)."""
+    total = buffer.nbytes
+    for offset in range(0, max(total, 1), chunk_bytes):
+        yield pb.TensorChunk(total_size=total, offset=offset, data=bytes(buffer[offset : offset + chunk_bytes]))

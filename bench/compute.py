@@ -1,0 +1,241 @@
+"""Compute benchmark: each backend as a user pays for it, against PyTorch CPU on the same inputs.
+
+    .venv/bin/python bench/compute.py            # small, medium, large shapes
+    .venv/bin/python bench/compute.py --quick    # small and medium only, fewer repeats
+
+For every operator, shape and dtype (fp32/fp16/bf16) it times, in this process and warm:
+  * each backend through LocalClient: get_workspace_size + execute (validation, executor,
+    input views, output allocation and the compute itself);
+  * PyTorch CPU on the same arrays: aten.native_layer_norm_backward / native_batch_norm_backward
+    (LayerNormGrad: its rstd from variance, then native_layer_norm_backward; ElemtBackward,
+    which has no CPU aten op: the same formula as composed torch ops);
+and prints a Markdown table of medians, their ratios to PyTorch, the cpu backend's
+workspace_size, and the peak extra resident memory of one call (VmHWM − VmRSS before it,
+outputs included). See bench/README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import math
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+import torch
+
+from aclnn_server import LocalClient
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+DTYPES = {"fp32": np.dtype(np.float32), "fp16": np.dtype(np.float16), "bf16": BF16}
+TORCH_DTYPES = {np.dtype(np.float32): torch.float32, np.dtype(np.float16): torch.float16, BF16: torch.bfloat16}
+BACKENDS = ("numpy", "cpu")
+
+LN_SHAPES = {"small": (64, 256), "medium": (1024, 1024), "large": (8192, 4096)}
+BN_SHAPES = {"small": (8, 16, 14, 14), "medium": (16, 64, 28, 28), "large": (32, 256, 56, 56)}
+
+
+def tt(a: np.ndarray) -> torch.Tensor:
+    """A torch tensor over the same memory (bf16 through its bit pattern)."""
+    a = np.ascontiguousarray(a)
+    if a.dtype == BF16:
+        return torch.from_numpy(a.view(np.uint16)).view(torch.bfloat16)
+    return torch.from_numpy(a)
+
+
+@dataclass
+class Case:
+    op: str
+    shape: tuple[int, ...]
+    params: dict[str, Any]  # the call, outputs included
+    torch_fn: Callable[[], Any]
+
+
+def layer_norm_case(rng, shape, dtype) -> Case:
+    _, n = shape
+    x = rng.standard_normal(shape, np.float32)
+    g = rng.standard_normal(shape, np.float32).astype(dtype)
+    mean = x.mean(1, keepdims=True)
+    rstd = 1 / np.sqrt(x.var(1, keepdims=True) + 1e-5)
+    x = x.astype(dtype)
+    w = rng.uniform(0.5, 1.5, n).astype(dtype)
+    p = dict(
+        gradOut=g, input=x, normalizedShape=[n], mean=mean, rstd=rstd, weightOptional=w, biasOptional=None,
+        outputMask=[True, True, True], gradInputOut=np.empty(shape, dtype), gradWeightOut=np.empty(n, dtype),
+        gradBiasOut=np.empty(n, dtype),
+    )  # fmt: skip
+    t_stats = TORCH_DTYPES[np.dtype(dtype)]  # aten's CPU kernel wants mean/rstd in the input's dtype
+    args = (tt(g), tt(x), [n], tt(mean).to(t_stats), tt(rstd).to(t_stats), tt(w), tt(w), [True, True, True])
+    return Case("aclnnLayerNormBackward", shape, p, lambda: torch.ops.aten.native_layer_norm_backward(*args))
+
+
+def layer_norm_grad_case(rng, shape, dtype) -> Case:
+    _, n = shape
+    x = rng.standard_normal(shape, np.float32)
+    dy = rng.standard_normal(shape, np.float32).astype(dtype)
+    mean, var = x.mean(1, keepdims=True), x.var(1, keepdims=True)
+    x = x.astype(dtype)
+    stats = np.float32 if dtype == np.float32 else dtype
+    gamma = rng.uniform(0.5, 1.5, n).astype(dtype)
+    p = dict(
+        dy=dy, x=x, variance=var.astype(stats), mean=mean.astype(stats), gamma=gamma,
+        pd_x=np.empty(shape, dtype), pd_gamma=np.empty(n, dtype), pd_beta=np.empty(n, dtype),
+    )  # fmt: skip
+    t_dy, t_x, t_mean, t_var, t_gamma = (tt(p[k]) for k in ("dy", "x", "mean", "variance", "gamma"))
+
+    def run():
+        rstd = torch.rsqrt(t_var + 1e-12)
+        return torch.ops.aten.native_layer_norm_backward(
+            t_dy, t_x, [n], t_mean, rstd, t_gamma, t_gamma, [True, True, True]
+        )
+
+    return Case("LayerNormGrad", shape, p, run)
+
+
+def batch_norm_case(rng, shape, dtype) -> Case:
+    c = shape[1]
+    x = rng.standard_normal(shape, np.float32)
+    g = rng.standard_normal(shape, np.float32).astype(dtype)
+    axes = (0, *range(2, len(shape)))
+    mean, invstd = x.mean(axes), 1 / np.sqrt(x.var(axes) + 1e-5)
+    x = x.astype(dtype)
+    w = rng.uniform(0.5, 1.5, c).astype(np.float32)
+    p = dict(
+        gradOut=g, input=x, weight=w, runningMean=None, runningVar=None, saveMean=mean, saveInvstd=invstd,
+        training=True, eps=1e-5, outputMask=[True, True, True], gradInput=np.empty(shape, dtype),
+        gradWeight=np.empty(c, np.float32), gradBias=np.empty(c, np.float32),
+    )  # fmt: skip
+    args = (tt(g), tt(x), tt(w), None, None, tt(mean), tt(invstd), True, 1e-5, [True, True, True])
+    return Case("aclnnBatchNormBackward", shape, p, lambda: torch.ops.aten.native_batch_norm_backward(*args))
+
+
+def elemt_case(rng, shape, dtype) -> Case:
+    c = shape[1]
+    x = rng.standard_normal(shape, np.float32)
+    g = rng.standard_normal(shape, np.float32)
+    axes = (0, *range(2, len(shape)))
+    mean, invstd = x.mean(axes), 1 / np.sqrt(x.var(axes) + 1e-5)
+    sum_dy, sum_dy_xmu = g.sum(axes), (g * (x - mean.reshape(1, c, 1, 1))).sum(axes)
+    counter = np.full(1, math.prod(shape) // c, np.int32)
+    w = rng.uniform(0.5, 1.5, c).astype(np.float32)
+    g, x = g.astype(dtype), x.astype(dtype)
+    p = dict(
+        gradOut=g, input=x, mean=mean, invstd=invstd, weight=w, sumDy=sum_dy, sumDyXmu=sum_dy_xmu,
+        counter=counter, gradInput=np.empty(shape, dtype),
+    )  # fmt: skip
+    view = (1, c) + (1,) * (len(shape) - 2)
+    t_g, t_x = tt(g), tt(x)
+    total = float(counter.sum())
+    t_mean = tt(mean).reshape(view)
+    t_shift = (tt(sum_dy) / total).reshape(view)
+    t_slope = (tt(invstd) ** 2 * tt(sum_dy_xmu) / total).reshape(view)
+    t_scale = (tt(invstd) * tt(w)).reshape(view)
+
+    def run():  # batch_norm_backward_elemt has no CPU kernel in aten: the formula, in fp32
+        return ((t_g.float() - t_shift - (t_x.float() - t_mean) * t_slope) * t_scale).to(t_g.dtype)
+
+    return Case("aclnnBatchNormElemtBackward", shape, p, run)
+
+
+OPERATORS = [
+    ("aclnnLayerNormBackward", layer_norm_case, LN_SHAPES),
+    ("LayerNormGrad", layer_norm_grad_case, LN_SHAPES),
+    ("aclnnBatchNormBackward", batch_norm_case, BN_SHAPES),
+    ("aclnnBatchNormElemtBackward", elemt_case, BN_SHAPES),
+]
+
+
+def rss_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    return 0
+
+
+def peak_extra_mib(fn: Callable[[], Any]) -> float:
+    """Peak resident memory one call adds (Linux: reset the high-water mark, then VmHWM − VmRSS)."""
+    gc.collect()
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return float("nan")
+    before = rss_kib("VmRSS")
+    result = fn()
+    peak = rss_kib("VmHWM")
+    del result
+    return max(0, peak - before) / 1024
+
+
+def timed(fn: Callable[[], Any], budget_s: float, min_reps: int, max_reps: int) -> float:
+    """Median seconds of repeated warm runs (after one untimed run)."""
+    fn()
+    times: list[float] = []
+    started = time.perf_counter()
+    while len(times) < max_reps and (len(times) < min_reps or time.perf_counter() - started < budget_s):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def backend_call(client: LocalClient, case: Case) -> Callable[[], Any]:
+    def call():
+        _, executor = client.get_workspace_size(case.op, **case.params)
+        return client.execute(executor)
+
+    return call
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="small and medium shapes only, shorter timing")
+    ap.add_argument("--ops", nargs="*", help="operator names to run (default: all)")
+    ap.add_argument("--sizes", nargs="*", choices=["small", "medium", "large"], help="shape sizes to run")
+    ap.add_argument("--dtypes", nargs="*", choices=list(DTYPES), help="dtypes to run")
+    args = ap.parse_args(argv)
+    sizes = args.sizes or (["small", "medium"] if args.quick else ["small", "medium", "large"])
+    budget, min_reps, max_reps = (0.3, 3, 20) if args.quick else (1.5, 5, 50)
+
+    started = time.perf_counter()
+    clients = {name: LocalClient(backend=name) for name in BACKENDS}  # the cpu backend warms up here
+    print(f"backends ready in {time.perf_counter() - started:.1f} s; torch {torch.__version__} "
+          f"with {torch.get_num_threads()} threads", file=sys.stderr)  # fmt: skip
+    cols = [f"{b} ms" for b in BACKENDS] + ["torch ms"] + [f"{b}/torch" for b in BACKENDS]
+    cols += ["cpu workspace MiB"] + [f"peak {b} MiB" for b in (*BACKENDS, "torch")]
+    print("| operator | shape | dtype | " + " | ".join(cols) + " |")
+    print("|" + "---|" * (3 + len(cols)))
+    rng = np.random.default_rng(0)
+    for op, make, shapes in OPERATORS:
+        if args.ops and op not in args.ops:
+            continue
+        for size in sizes:
+            for dname, dtype in DTYPES.items():
+                if args.dtypes and dname not in args.dtypes:
+                    continue
+                case = make(rng, shapes[size], dtype)
+                fns = {b: backend_call(c, case) for b, c in clients.items()}
+                fns["torch"] = case.torch_fn
+                ms = {k: timed(fn, budget, min_reps, max_reps) * 1e3 for k, fn in fns.items()}
+                peaks = {k: peak_extra_mib(fn) for k, fn in fns.items()}
+                ws, executor = clients["cpu"].get_workspace_size(op, **case.params)
+                clients["cpu"].destroy_executor(executor)
+                row = [f"{ms[b]:.2f}" for b in (*BACKENDS, "torch")]
+                row += [f"{ms[b] / ms['torch']:.2f}×" for b in BACKENDS]
+                row += [f"{ws / 2**20:.1f}"] + [f"{peaks[k]:.0f}" for k in (*BACKENDS, "torch")]
+                shape = "×".join(map(str, shapes[size]))
+                print(f"| {op} | {shape} ({size}) | {dname} | " + " | ".join(row) + " |", flush=True)
+                del case, fns
+                gc.collect()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,105 @@
+"""The `cpu` backend: multi-threaded Numba kernels, deterministic and bit-reproducible.
+
+One module per operator (`layer_norm_backward`, ...) exposes `handles(plan)`,
+`workspace_size(plan)`, `compute(plan, args)` and `warm_up()`. A call a kernel does not handle
+(an operator without a kernel, or a view whose dims do not merge into the kernel's 2-D/3-D
+shape) runs on the operator's NumPy reference instead, logged once per operator and reason.
+
+Compilation never lands on a request: `warm_up()` (run once per process, when the backend is
+created) builds every kernel for every dtype signature, loading them from Numba's on-disk
+cache when an earlier process compiled them (see `_jit.configure_cache`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from types import ModuleType
+from typing import Any
+
+import numba
+
+from ...registry import Operator, Plan
+
+log = logging.getLogger("aclnn_server")
+
+SMALL_CALL_ELEMENTS = 1 << 16  # below this many input elements a call runs on the calling thread only
+
+_warm_lock = threading.Lock()
+_warm_seconds: float | None = None
+
+
+def kernel_modules() -> dict[str, ModuleType]:
+    """Operator name -> its kernel module (imported after the cache directory is configured)."""
+    from . import _jit
+
+    _jit.configure_cache()
+    from . import batch_norm_backward, batch_norm_elemt_backward, layer_norm_backward, layer_norm_grad
+
+    return {
+        "aclnnLayerNormBackward": layer_norm_backward,
+        "LayerNormGrad": layer_norm_grad,
+        "aclnnBatchNormBackward": batch_norm_backward,
+        "aclnnBatchNormElemtBackward": batch_norm_elemt_backward,
+    }
+
+
+def warm_up() -> float:
+    """Compiles (or loads) and runs every kernel on tiny inputs, once per process; returns the seconds spent."""
+    global _warm_seconds
+    with _warm_lock:
+        if _warm_seconds is None:
+            started = time.perf_counter()
+            for module in kernel_modules().values():
+                module.warm_up()
+            _warm_seconds = time.perf_counter() - started
+            log.info("cpu backend: kernels ready in %.2f s", _warm_seconds)
+        return _warm_seconds
+
+
+class CpuBackend:
+    name = "cpu"
+
+    def __init__(self, warm: bool = True) -> None:
+        self.kernels = kernel_modules()
+        self._fallbacks_logged: set[tuple[str, str]] = set()
+        if warm:
+            warm_up()
+
+    def _kernel(self, operator: Operator, plan: Plan) -> ModuleType | None:
+        module = self.kernels.get(operator.name)
+        if module is None:
+            self._log_fallback(operator.name, "no cpu kernel")
+            return None
+        if not module.handles(plan):
+            self._log_fallback(operator.name, "a layout the kernel does not take")
+            return None
+        return module
+
+    def _log_fallback(self, op: str, why: str) -> None:
+        if (op, why) not in self._fallbacks_logged:
+            self._fallbacks_logged.add((op, why))
+            log.info("cpu backend: %s runs on the NumPy reference (%s)", op, why)
+
+    def workspace_size(self, operator: Operator, plan: Plan) -> int:
+        module = self._kernel(operator, plan)
+        return operator.workspace_size(plan) if module is None else module.workspace_size(plan)
+
+    def compute(self, operator: Operator, plan: Plan, args: dict[str, Any]) -> None:
+        module = self._kernel(operator, plan)
+        if module is None:
+            from .. import NumpyBackend
+
+            NumpyBackend().compute(operator, plan, args)
+        elif sum(t.numel for t in plan.inputs.values()) < SMALL_CALL_ELEMENTS:
+            # Waking the worker threads costs more than a small call; results do not depend on
+            # the thread count, and Numba's setting is per calling thread.
+            threads = numba.get_num_threads()
+            numba.set_num_threads(1)
+            try:
+                module.compute(plan, args)
+            finally:
+                numba.set_num_threads(threads)
+        else:
+            module.compute(plan, args)

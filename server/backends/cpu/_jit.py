@@ -1,0 +1,243 @@
+"""What every cpu kernel module shares: the Numba set-up, dtype codes, fp16/bf16 bit conversions.
+
+Kernels read fp16 and bf16 as their raw 16-bit patterns (a `uint16` view, no up-cast copy) and
+widen each element in registers; they write 16-bit outputs as patterns too, rounded to nearest
+even. `kind` says what a uint16 array holds (F16 or BF16); float32 arrays ignore it.
+
+Dispatchers are built on first use with explicit signatures (`lazy_njit`), so nothing is ever
+compiled on a request and Numba's on-disk cache makes a restart load instead of compile. Tensors
+travel as (1-D contiguous storage from the view's first element, element strides) (`flat`): one
+compiled version serves contiguous and strided views alike; a unit-stride row is a contiguous
+slice (vectorized), any other row is gathered into a row buffer first (`row`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import pathlib
+import threading
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import ml_dtypes
+import numba
+import numpy as np
+from llvmlite import ir
+from numba.core import types
+from numba.core.errors import NumbaIRAssumptionWarning
+from numba.extending import intrinsic, overload
+
+F32, F16, BF16 = 0, 1, 2  # the `kind` of an array the kernels read or write
+# What a kernel sees for FLOAT, FLOAT16 and BF16 data: the element type picks the conversion.
+STORAGE = (np.float32, np.uint16, np.int16)
+FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
+ROW_BLOCK = 1024  # elements per fp32 partial sum along a row (then combined in fp64)
+
+_PACKAGE = pathlib.Path(__file__).parent
+
+
+def configure_cache() -> str | None:
+    """Numba's on-disk cache: NUMBA_CACHE_DIR when set, else a user cache dir keyed by these sources.
+
+    Numba keys a cached kernel by its own file only; keying the directory by a hash of every
+    module here (and Numba's version) keeps a kernel from loading against a changed helper
+    (the package's __init__, which holds no kernel, is left out).
+    """
+    if os.environ.get("NUMBA_CACHE_DIR"):
+        return numba.config.CACHE_DIR
+    digest = hashlib.sha256(numba.__version__.encode())
+    for path in [*sorted(_PACKAGE.glob("[!_]*.py")), _PACKAGE / "_jit.py", _PACKAGE / "_reduce.py"]:
+        digest.update(path.name.encode() + path.read_bytes())
+    base = pathlib.Path(os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache")
+    cache_dir = base / "aclnn-serve" / "numba" / digest.hexdigest()[:16]
+    try:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        return None  # no writable cache: kernels compile in each process
+    numba.config.CACHE_DIR = str(cache_dir)
+    return str(cache_dir)
+
+
+def array(dtype: Any, ndim: int, readonly: bool = False, layout: str = "A") -> types.Array:
+    return types.Array(numba.from_dtype(np.dtype(dtype)), ndim, layout, readonly=readonly)
+
+
+class lazy_njit:
+    """`@njit(signatures, parallel=True, cache=True)`, compiled (or loaded) on first use.
+
+    With explicit signatures Numba compiles nothing else: a call whose types match none of
+    them is a TypeError, never a compilation in the middle of a request.
+    """
+
+    _lock = threading.Lock()
+
+    def __init__(self, signatures: Callable[[], Sequence[Any]], parallel: bool = True) -> None:
+        self.signatures, self.parallel = signatures, parallel
+        self.func: Callable[..., Any] | None = None
+        self.dispatcher: Any = None
+
+    def __call__(self, func: Callable[..., Any]) -> lazy_njit:
+        self.func = func
+        self.__doc__, self.__name__ = func.__doc__, func.__name__
+        return self
+
+    def compiled(self) -> Any:
+        with self._lock, warnings.catch_warnings():
+            if self.dispatcher is None:
+                warnings.simplefilter("ignore", NumbaIRAssumptionWarning)  # a pedantic note on inlining
+                self.dispatcher = self._build()
+        return self.dispatcher
+
+    def _build(self) -> Any:
+        return numba.njit(list(self.signatures()), parallel=self.parallel, cache=True, fastmath=False, nogil=True)(
+            self.func
+        )
+
+    def run(self, *args: Any) -> Any:
+        return self.compiled()(*args)
+
+
+# --- element conversions (inlined into the kernels) -------------------------------------------
+
+
+@intrinsic
+def f16_bits_to_f32(typingctx, bits):
+    """An IEEE half's bit pattern to float32 (exact; F16C's vcvtph2ps on x86)."""
+
+    def codegen(context, builder, signature, args):
+        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+
+    return types.float32(types.uint16), codegen
+
+
+@intrinsic
+def f32_to_f16_bits(typingctx, value):
+    """float32 to an IEEE half's bit pattern, rounded to nearest even (NaN stays NaN)."""
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
+
+    return types.uint16(types.float32), codegen
+
+
+@intrinsic
+def f32_bits(typingctx, value):
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.IntType(32))
+
+    return types.uint32(types.float32), codegen
+
+
+@intrinsic
+def bits_f32(typingctx, bits):
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.FloatType())
+
+    return types.float32(types.uint32), codegen
+
+
+@numba.njit(inline="always")
+def bf16_bits_to_f32(bits):
+    return bits_f32(np.uint32(np.uint16(bits)) << np.uint32(16))
+
+
+@numba.njit(inline="always")
+def f32_to_bf16_bits(value):
+    """Round to nearest even, as ml_dtypes does; a NaN becomes a quiet NaN of the same sign."""
+    u = f32_bits(value)
+    if (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):
+        return np.int16(np.uint16((u >> np.uint32(16)) | np.uint32(0x40)))
+    u = u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))
+    return np.int16(np.uint16(u >> np.uint32(16)))
+
+
+def load(value, kind):
+    """An element as float32: `value` is a float32, or a uint16 pattern of `kind`."""
+
+
+@overload(load, inline="always")
+def _load(value, kind):
+    if isinstance(value, types.Float):
+        return lambda value, kind: np.float32(value)
+
+    if value == types.uint16:
+        return lambda value, kind: f16_bits_to_f32(value)
+    return lambda value, kind: bf16_bits_to_f32(value)
+
+
+def narrow(value, like, kind):
+    """A float32 result as the element type of the array `like` (uint16 patterns by `kind`)."""
+
+
+@overload(narrow, inline="always")
+def _narrow(value, like, kind):
+    if isinstance(like.dtype, types.Float):
+        return lambda value, like, kind: value
+
+    if like.dtype == types.uint16:
+        return lambda value, like, kind: f32_to_f16_bits(value)
+    return lambda value, like, kind: f32_to_bf16_bits(value)
+
+
+@numba.njit(inline="always")
+def gather_len(stride, n):
+    """The row buffer a strided row needs: n elements unless the rows are contiguous."""
+    if stride == 1:
+        return 0
+    return n
+
+
+@numba.njit(inline="always")
+def row(base, start, stride, n, buf):
+    """Elements start, start+stride, ... (n of them) of `base` as a contiguous array.
+
+    A unit-stride row is a slice of the storage; any other is gathered into `buf`.
+    """
+    if stride == 1:
+        return base[start : start + n]
+    for j in range(n):
+        buf[j] = base[start + j * stride]
+    return buf[:n]
+
+
+# --- host side ----------------------------------------------------------------------------------
+
+
+def kernel_view(a: np.ndarray) -> tuple[np.ndarray, int]:
+    """The array the kernels take, and its kind: float32 as is, fp16/bf16 as uint16 patterns."""
+    if a.dtype == np.float32:
+        return a, F32
+    if a.dtype == np.float16:
+        return a.view(np.uint16), F16
+    if a.dtype.itemsize == 2:  # bfloat16
+        return a.view(np.int16), BF16
+    raise TypeError(f"no cpu kernel reads {a.dtype}")
+
+
+def storage_class(dtype: np.dtype) -> type:
+    return np.float32 if np.dtype(dtype) == np.float32 else np.uint16
+
+
+def flat(a: np.ndarray) -> tuple[np.ndarray, tuple[int, ...]] | None:
+    """A view as (1-D contiguous base starting at its first element, element strides), or None.
+
+    The kernels index `base[Σ i_k·stride_k]`; a row with stride 1 is sliced as a contiguous
+    array (vectorized), any other row is gathered into a row buffer. None when a stride is
+    negative or not a whole number of elements (the caller then copies or falls back).
+    """
+    itemsize = a.dtype.itemsize
+    if any(d > 1 and (s < 0 or s % itemsize) for d, s in zip(a.shape, a.strides)):
+        return None
+    strides = tuple(s // itemsize if d > 1 else 0 for d, s in zip(a.shape, a.strides))
+    span = 1 + sum((d - 1) * s for d, s in zip(a.shape, strides)) if a.size else 0
+    base = np.lib.stride_tricks.as_strided(a, shape=(span,), strides=(itemsize,), writeable=False)
+    return base, strides
+
+
+def probe(desc: Any) -> np.ndarray:
+    """A zero-storage array with a descriptor's shape and view strides, to plan kernels before data."""
+    itemsize = desc.dtype.itemsize
+    strides = tuple(s * itemsize if d > 1 else 0 for d, s in zip(desc.shape, desc.strides))
+    return np.lib.stride_tricks.as_strided(np.zeros(1, desc.dtype), desc.shape, strides, writeable=False)

@@ -1,0 +1,182 @@
+"""Bytes that live on the server between calls: uploaded tensors (handles) and shared-memory regions.
+
+Both belong to a client session (the `x-aclnn-session` metadata, bound to the caller's
+identity). A session's lease is renewed by every call that names it; when it lapses
+(the client went away) its handles are freed and its regions unmapped.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import re
+import secrets
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from aclnn_client.errors import Status, invalid_error
+
+from .executors import CapacityError
+
+_REGION_NAME = re.compile(r"[A-Za-z0-9_.-]{1,200}")
+SHM_DIR = "/dev/shm"
+
+
+@dataclass
+class Session:
+    owner: str | None
+    expires: float
+    handles: dict[str, memoryview] = field(default_factory=dict)
+    regions: dict[str, mmap.mmap] = field(default_factory=dict)
+
+
+class Storage:
+    """Sessions with their handles and regions; handle bytes count against a budget."""
+
+    def __init__(self, session_ttl_s: float, budget_bytes: int, clock: Callable[[], float] = time.monotonic) -> None:
+        self.session_ttl_s = session_ttl_s
+        self.budget_bytes = budget_bytes
+        self.held_bytes = 0
+        self._clock = clock
+        self._sessions: dict[str, Session] = {}
+        self._lock = threading.Lock()
+
+    def counts(self) -> tuple[int, int]:
+        """(live handles, mapped regions) over all sessions."""
+        with self._lock:
+            self._reap()
+            return sum(len(s.handles) for s in self._sessions.values()), sum(
+                len(s.regions) for s in self._sessions.values()
+            )
+
+    # Sessions -----------------------------------------------------------------------------
+
+    def _session(self, session_id: str | None, owner: str | None) -> Session:
+        if not session_id:
+            raise invalid_error("session", "handles and regions need an x-aclnn-session id in the call's metadata")
+        self._reap()
+        session = self._sessions.get(session_id)
+        if session is None:
+            session = self._sessions[session_id] = Session(owner, 0.0)
+        elif session.owner != owner:
+            raise invalid_error("session", "belongs to another client")
+        session.expires = self._clock() + self.session_ttl_s
+        return session
+
+    def touch(self, session_id: str | None, owner: str | None) -> None:
+        """Renews a session's lease (KeepAlive, or any call naming it)."""
+        if session_id:
+            with self._lock:
+                self._session(session_id, owner)
+
+    def _reap(self) -> None:
+        now = self._clock()
+        for session_id in [i for i, s in self._sessions.items() if s.expires < now]:
+            self._close(self._sessions.pop(session_id))
+
+    def _close(self, session: Session) -> None:
+        for buffer in session.handles.values():
+            self.held_bytes -= buffer.nbytes
+        session.handles.clear()
+        for region in session.regions.values():
+            _unmap(region)
+        session.regions.clear()
+
+    def close(self) -> None:
+        with self._lock:
+            for session in self._sessions.values():
+                self._close(session)
+            self._sessions.clear()
+
+    # Handles ------------------------------------------------------------------------------
+
+    def reserve(self, session_id: str | None, owner: str | None, size: int) -> bytearray:
+        """A zeroed buffer for an upload of `size` bytes, within the budget."""
+        with self._lock:
+            self._session(session_id, owner)
+            if size > self.budget_bytes - self.held_bytes:
+                raise CapacityError(
+                    Status.INNER_CREATE_EXECUTOR,
+                    f"cannot hold {size} more bytes: {self.held_bytes} of {self.budget_bytes} are held by tensors",
+                    "chunk",
+                )
+            self.held_bytes += size
+        return bytearray(size)
+
+    def release(self, size: int) -> None:
+        """Returns a reservation that never became a handle (a failed upload)."""
+        with self._lock:
+            self.held_bytes -= size
+
+    def add_handle(self, session_id: str | None, owner: str | None, buffer: memoryview, reserved: bool) -> str:
+        with self._lock:
+            session = self._session(session_id, owner)
+            if not reserved:
+                self.held_bytes += buffer.nbytes
+            handle = secrets.token_hex(16)
+            session.handles[handle] = buffer
+            return handle
+
+    def handle(self, session_id: str | None, owner: str | None, handle: str) -> memoryview:
+        with self._lock:
+            buffer = self._session(session_id, owner).handles.get(handle)
+        if buffer is None:
+            raise invalid_error("handle", f"tensor handle {handle[:8]}... is unknown or freed")
+        return buffer
+
+    def free_handle(self, session_id: str | None, owner: str | None, handle: str) -> None:
+        with self._lock:
+            buffer = self._session(session_id, owner).handles.pop(handle, None)
+            if buffer is None:
+                raise invalid_error("handle", f"tensor handle {handle[:8]}... is unknown or freed")
+            self.held_bytes -= buffer.nbytes
+
+    # Regions ------------------------------------------------------------------------------
+
+    def register_region(self, session_id: str | None, owner: str | None, name: str, size: int) -> None:
+        """Maps the client's POSIX shared-memory region `name`, which must hold at least `size` bytes."""
+        if not _REGION_NAME.fullmatch(name):
+            raise invalid_error("region", f"{name!r} is not a shared-memory name")
+        try:
+            fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR)
+        except OSError as exc:
+            raise invalid_error("region", f"cannot open shared memory {name!r} here: {exc.strerror}") from None
+        try:
+            actual = os.fstat(fd).st_size
+            if size == 0 or size > actual:
+                raise invalid_error("region", f"{name!r} holds {actual} bytes, fewer than the {size} declared")
+            region = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        with self._lock:
+            session = self._session(session_id, owner)
+            old = session.regions.pop(name, None)
+            session.regions[name] = region
+        if old is not None:
+            _unmap(old)
+
+    def unregister_region(self, session_id: str | None, owner: str | None, name: str) -> None:
+        with self._lock:
+            region = self._session(session_id, owner).regions.pop(name, None)
+        if region is None:
+            raise invalid_error("region", f"{name!r} is not registered")
+        _unmap(region)
+
+    def region_slice(self, session_id: str | None, owner: str | None, name: str, offset: int, size: int) -> memoryview:
+        """Bytes [offset, offset + size) of a registered region, checked against its bounds."""
+        with self._lock:
+            region = self._session(session_id, owner).regions.get(name)
+        if region is None:
+            raise invalid_error("region", f"{name!r} is not registered")
+        if offset + size > len(region):
+            raise invalid_error("region", f"[{offset}, {offset + size}) lies outside {name!r} ({len(region)} bytes)")
+        return memoryview(region)[offset : offset + size]
+
+
+def _unmap(region: mmap.mmap) -> None:
+    try:
+        region.close()
+    except BufferError:
+        pass  # a call still reads it: the mapping goes when its last view does

@@ -1,0 +1,1 @@
+"""A fake CANN (fake_cann.c) for testing the NPU backend without an NPU; see build.py."""

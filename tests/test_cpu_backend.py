@@ -1,0 +1,182 @@
+"""The cpu backend (Numba kernels): reproducible bits, agreement with the NumPy reference, fallbacks."""
+
+from __future__ import annotations
+
+import logging
+
+import numba
+import numpy as np
+import pytest
+from layer_norm_cases import F32, layer_norm_call, layer_norm_reference
+from oracle import BF16, FLOAT_DTYPES, assert_close, rand, sentinel_like
+
+from aclnn_server import LocalClient
+from aclnn_server.backends import create_backend
+from aclnn_server.backends.cpu import CpuBackend
+from aclnn_server.ops import OPERATORS
+from aclnn_server.registry import Operator
+
+LN = "aclnnLayerNormBackward"
+LN_OUTPUTS = ("gradInputOut", "gradWeightOut", "gradBiasOut")
+F16 = np.dtype(np.float16)
+
+
+@pytest.fixture(scope="module")
+def cpu() -> LocalClient:
+    c = LocalClient(backend="cpu")
+    yield c
+    c.close()
+
+
+@pytest.fixture(scope="module")
+def reference() -> LocalClient:
+    c = LocalClient(backend="numpy")
+    yield c
+    c.close()
+
+
+def run_bits(client: LocalClient, op: str, p: dict, outputs: tuple[str, ...]) -> list[bytes]:
+    client.run(op, **p)
+    return [p[name].tobytes() for name in outputs if p[name] is not None]
+
+
+def ln_case(rng, dtype=F32, out_dtype=None, shape=(301, 1100)) -> dict:
+    return layer_norm_call(rng, shape, 1, dtype, "float32", out_dtype=out_dtype)
+
+
+def bn_case(rng, dtype=F32, shape=(3, 5, 7, 9), training=True) -> dict:
+    from batch_norm_cases import bn_call
+
+    return bn_call(rng, shape, 1, dtype, "float32", training=training)
+
+
+def test_auto_picks_cpu_when_numba_imports():
+    assert create_backend("auto").name == "cpu"
+    assert create_backend("cpu").name == "cpu"
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+def test_bit_identical_across_repeats_and_thread_counts(cpu, rng, dtype):
+    p = ln_case(rng, dtype)
+    threads = numba.get_num_threads()
+    try:
+        numba.set_num_threads(1)
+        one = run_bits(cpu, LN, p, LN_OUTPUTS)
+        numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
+        many = [run_bits(cpu, LN, p, LN_OUTPUTS) for _ in range(3)]
+    finally:
+        numba.set_num_threads(threads)
+    assert many[0] == many[1] == many[2] == one
+
+
+def test_batch_norm_bit_identical_across_thread_counts(cpu, rng):
+    if "aclnnBatchNormBackward" not in OPERATORS:
+        pytest.skip("aclnnBatchNormBackward is not registered yet")
+    p = bn_case(rng, BF16)
+    outputs = ("gradInput", "gradWeight", "gradBias")
+    threads = numba.get_num_threads()
+    try:
+        numba.set_num_threads(1)
+        one = run_bits(cpu, "aclnnBatchNormBackward", p, outputs)
+        numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
+        many = [run_bits(cpu, "aclnnBatchNormBackward", p, outputs) for _ in range(2)]
+    finally:
+        numba.set_num_threads(threads)
+    assert many[0] == many[1] == one
+
+
+@pytest.mark.parametrize("out_dtype", FLOAT_DTYPES, ids=str)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+def test_layer_norm_agrees_with_reference_every_dtype(cpu, reference, rng, dtype, out_dtype):
+    p = ln_case(rng, dtype, out_dtype, shape=(37, 2051))  # rows longer than a ROW_BLOCK, ragged lanes
+    q = {k: (v.copy() if isinstance(v, np.ndarray) and k in LN_OUTPUTS else v) for k, v in p.items()}
+    cpu.run(LN, **p)
+    reference.run(LN, **q)
+    ref = layer_norm_reference(p)
+    for name, r in zip(LN_OUTPUTS, ref):
+        assert_close(p[name], r.reshape(p[name].shape), name)
+        assert_close(p[name], q[name].astype(np.float64), name)  # and the NumPy backend's numbers
+
+
+def test_strided_inputs_gathered_rows_and_broadcast(cpu, rng):
+    base = ln_case(rng, BF16, F32, shape=(40, 70))
+    x_t = np.ascontiguousarray(base["input"].T).T  # column-major: rows are gathered
+    g_b = np.broadcast_to(base["gradOut"][:1], (40, 70))  # row stride 0
+    wide = np.zeros((40, 140), BF16)
+    wide[:, ::2] = base["input"]
+    for x, g in ((x_t, g_b), (wide[:, ::2], base["gradOut"])):
+        p = dict(base, input=x, gradOut=g)
+        for name in LN_OUTPUTS:
+            p[name] = sentinel_like(base[name].shape, F32)
+        cpu.run(LN, **p)
+        ref = layer_norm_reference(dict(p, input=np.ascontiguousarray(x), gradOut=np.ascontiguousarray(g)))
+        for name, r in zip(LN_OUTPUTS, ref):
+            assert_close(p[name], r.reshape(p[name].shape), name)
+
+
+def test_unmergeable_view_falls_back_to_numpy(cpu, rng, caplog):
+    """Leading dims that do not merge into rows run on the reference, logged once."""
+    big = rand(rng, (4, 6, 5), F32)
+    p = layer_norm_call(rng, (4, 3, 5), 1)
+    p["input"] = big[:, :3, :]  # strides (30, 5, 1): [4, 3] does not merge into 12 rows
+    with caplog.at_level(logging.INFO, logger="aclnn_server"):
+        cpu.run(LN, **p)
+        cpu.run(LN, **p)
+    notes = [r.message for r in caplog.records if "NumPy reference" in r.message]
+    assert len(notes) <= 1  # once per backend (an earlier test in this process may have logged it)
+    for name, r in zip(LN_OUTPUTS, layer_norm_reference(p)):
+        assert_close(p[name], r.reshape(p[name].shape), name)
+
+
+def test_operator_without_kernel_falls_back(caplog):
+    calls = []
+    fake = Operator(
+        "FakeOp", OPERATORS[LN].signature, OPERATORS[LN].validate, lambda plan: 7, lambda **a: calls.append(a)
+    )
+    backend = CpuBackend()
+    with caplog.at_level(logging.INFO, logger="aclnn_server"):
+        assert backend.workspace_size(fake, None) == 7
+        backend.compute(fake, None, {"x": 1})
+        backend.compute(fake, None, {"x": 2})
+    assert calls == [{"x": 1}, {"x": 2}]
+    assert sum("FakeOp runs on the NumPy reference" in r.message for r in caplog.records) == 1
+
+
+def test_workspace_size_counts_the_kernels_scratch(cpu, rng):
+    p = ln_case(rng, F32, shape=(1000, 64))
+    size, executor = cpu.get_workspace_size(LN, **p)
+    cpu.destroy_executor(executor)
+    assert 2 * 4 * 64 * 32 <= size < 1000 * 64 * 4  # column partials, well under one input
+
+
+@pytest.mark.parametrize("training", [True, False])
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+def test_batch_norm_agrees_with_reference(cpu, reference, rng, dtype, training):
+    if "aclnnBatchNormBackward" not in OPERATORS:
+        pytest.skip("aclnnBatchNormBackward is not registered yet")
+    from batch_norm_cases import bn_reference
+
+    p = bn_case(rng, dtype, training=training)
+    outputs = ("gradInput", "gradWeight", "gradBias")
+    cpu.run("aclnnBatchNormBackward", **p)
+    for name, r in zip(outputs, bn_reference(p)):
+        assert_close(p[name], np.asarray(r).reshape(p[name].shape), name)
+
+
+def test_bf16_outputs_round_to_nearest_even_and_keep_nan(cpu, rng):
+    p = ln_case(rng, F32, BF16, shape=(8, 33))
+    p["gradOut"][3, 4] = np.nan
+    q = {k: (v.copy() if isinstance(v, np.ndarray) and k in LN_OUTPUTS else v) for k, v in p.items()}
+    cpu.run(LN, **p)
+    LocalClient(backend="numpy").run(LN, **q)
+    assert np.isnan(p["gradInputOut"][3]).all() and not np.isnan(p["gradInputOut"][[0, 1, 2, 4]]).any()
+    assert_close(p["gradInputOut"][:3], q["gradInputOut"][:3].astype(np.float64))
+
+
+def test_small_calls_run_on_one_thread_and_restore_the_setting(cpu, rng):
+    threads = numba.get_num_threads()
+    p = ln_case(rng, F32, shape=(4, 8))
+    cpu.run(LN, **p)
+    assert numba.get_num_threads() == threads
+    for name, r in zip(LN_OUTPUTS, layer_norm_reference(p)):
+        assert_close(p[name], r.reshape(p[name].shape), name)

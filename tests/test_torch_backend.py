@@ -1,0 +1,76 @@
+"""The torch backend (aten ops on CPU) against the operator conformance suites.
+
+The suites run through LocalClient(backend=TorchBackend("cpu")) and through a real gRPC
+server whose engine holds another TorchBackend.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+
+import numpy as np
+import pytest
+import test_batch_norm_backward as bn_suite
+import test_batch_norm_elemt_backward as elemt_suite
+import test_layer_norm_backward as ln_suite
+import test_layer_norm_grad as ln_grad_suite
+from layer_norm_cases import layer_norm_call, layer_norm_reference
+from oracle import assert_close
+
+from aclnn_client import Client
+from aclnn_server import Engine, LocalClient, ServerOptions, create_server
+from aclnn_server.backends.torch_backend import TorchBackend
+
+# The operator conformance suites, collected here again with this module's `client` fixture.
+# (Error-table tests are left out: validation runs before any backend is reached.)
+_SKIP = re.compile(r"error_table|dtype_and_shape_relations|unknown_parameter|tiles_smaller")
+for _suite in (ln_suite, ln_grad_suite, bn_suite, elemt_suite):
+    for _name, _fn in vars(_suite).items():
+        if _name.startswith("test_") and callable(_fn) and not _SKIP.search(_name):
+            globals()[f"{_name}__{_suite.__name__.removeprefix('test_')}"] = _fn
+del _suite, _name, _fn
+
+
+@pytest.fixture(scope="module")
+def torch_backend():
+    return TorchBackend("cpu")
+
+
+@pytest.fixture(scope="module")
+def server_address():
+    server, port, _ = create_server(ServerOptions(host="127.0.0.1", port=0), engine=Engine(TorchBackend("cpu")))
+    server.start()
+    yield f"127.0.0.1:{port}"
+    server.stop(None).wait()
+
+
+@pytest.fixture(params=["grpc", "local"])
+def client(request: pytest.FixtureRequest, torch_backend):
+    c = Client(request.getfixturevalue("server_address")) if request.param == "grpc" else LocalClient(torch_backend)
+    yield c
+    c.close()
+
+
+def test_outputs_are_cast_to_their_dtype(torch_backend, rng):
+    p = layer_norm_call(rng, (8, 16), 1, np.float16, "float32", out_dtype=np.float16)
+    LocalClient(torch_backend).run("aclnnLayerNormBackward", **p)
+    assert p["gradInputOut"].dtype == np.float16
+    assert_close(p["gradInputOut"], layer_norm_reference(p)[0], "gradInputOut")
+
+
+def test_without_torch_the_error_is_clear(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch", None)
+    with pytest.raises(RuntimeError, match="torch backend needs PyTorch"):
+        TorchBackend("cpu")
+
+
+def test_unusable_devices_are_clear_errors(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch_npu", None)
+    with pytest.raises(RuntimeError, match="needs torch_npu"):
+        TorchBackend("npu:0")
+    import torch
+
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="'cuda:0' is not usable"):
+            TorchBackend("cuda:0")
