@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 import pytest
 
 from aclnn_client import Client
-from aclnn_server import LocalClient, ServerOptions, create_server
+from aclnn_server import AclnnServer, Engine, LocalClient, ServerOptions, create_server
 
 # Backends every conformance test runs on; a new backend joins the suite by being listed here.
 BACKENDS = ("numpy", "cpu")
@@ -34,6 +36,28 @@ def client(request: pytest.FixtureRequest, backend: str):
         c = LocalClient(backend=backend)
     yield c
     c.close()
+
+
+class Served(NamedTuple):
+    address: str
+    server: AclnnServer
+    engine: Engine
+
+
+@pytest.fixture
+def serve():
+    """Starts servers (numpy backend) with the given options on free loopback ports."""
+    started = []
+
+    def start(**options) -> Served:
+        server, port, engine = create_server(ServerOptions(port=0, backend="numpy", **options))
+        server.start()
+        started.append(server)
+        return Served(f"127.0.0.1:{port}", server, engine)
+
+    yield start
+    for server in started:
+        server.stop(None)
 
 
 @pytest.fixture

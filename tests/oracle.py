@@ -48,3 +48,30 @@ class Untouched:
     def check(self) -> None:
         for a, b in zip(self.arrays, self.before):
             assert a.tobytes() == b.tobytes(), "a failed call wrote to an output"
+
+
+# Error-table cases mutate one valid call; these build the mutations.
+
+
+def set_(**changes):
+    """Sets parameters (None makes a null pointer)."""
+    return lambda p: p.update(changes)
+
+
+def cast(name: str, dtype):
+    """Gives a tensor another dtype."""
+    return lambda p: p.update({name: p[name].astype(dtype)})
+
+
+def reshape(name: str, shape):
+    """Gives a tensor another shape (zeros of its dtype)."""
+    return lambda p: p.update({name: np.zeros(shape, p[name].dtype)})
+
+
+def retag(a: np.ndarray, fmt: int):
+    """The same array as a tensor carrying another format tag."""
+    from aclnn_client import create_tensor
+    from aclnn_client.types import data_type_of
+
+    strides = [s // a.itemsize for s in a.strides]
+    return create_tensor(a.shape, data_type_of(a.dtype), strides, 0, fmt, [a.size], a)

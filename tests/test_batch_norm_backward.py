@@ -7,7 +7,7 @@ import itertools
 import numpy as np
 import pytest
 from batch_norm_cases import BN_OUTPUTS, DATA_TYPES, F16, F32, bn_call, bn_reference, tagged, with_format
-from oracle import BF16, FLOAT_DTYPES, Untouched, assert_close, sentinel_like
+from oracle import BF16, FLOAT_DTYPES, Untouched, assert_close, cast, reshape, sentinel_like, set_
 
 from aclnn_client import AclnnError, Format, create_tensor
 from aclnn_server.ops import rows
@@ -241,18 +241,6 @@ def test_repeatable_executor_takes_new_bytes(client, rng):
 
 # ---------------------------------------------------------------------------------------------
 # SPEC 5.4: every row of the error table, in check order; a failed call writes nothing.
-
-
-def set_(**changes):
-    return lambda p: p.update(changes)
-
-
-def cast(name: str, dtype):
-    return lambda p: p.update({name: p[name].astype(dtype)})
-
-
-def reshape(name: str, shape):
-    return lambda p: p.update({name: np.zeros(shape, p[name].dtype)})
 
 
 def fmt(*names: str, to: int):

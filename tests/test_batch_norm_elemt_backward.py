@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 from batch_norm_cases import DATA_TYPES, F16, F32, elemt_call, elemt_reference, tagged
-from oracle import BF16, FLOAT_DTYPES, Untouched, assert_close, sentinel_like, t64
+from oracle import BF16, FLOAT_DTYPES, Untouched, assert_close, cast, reshape, sentinel_like, set_, t64
 
 from aclnn_client import AclnnError, Format, create_tensor
 from aclnn_server.ops import rows
@@ -200,18 +200,6 @@ def test_deterministic_bit_identical(client, rng):
 
 # ---------------------------------------------------------------------------------------------
 # SPEC 6.3: every row of the error table, in check order; a failed call writes nothing.
-
-
-def set_(**changes):
-    return lambda p: p.update(changes)
-
-
-def cast(name: str, dtype):
-    return lambda p: p.update({name: p[name].astype(dtype)})
-
-
-def reshape(name: str, shape):
-    return lambda p: p.update({name: np.zeros(shape, p[name].dtype)})
 
 
 def fmt(name: str, to: int):

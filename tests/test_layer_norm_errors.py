@@ -9,32 +9,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from layer_norm_cases import F32, layer_norm_call
-from oracle import BF16, Untouched, sentinel_like
+from oracle import BF16, Untouched, cast, reshape, retag, sentinel_like, set_
 
-from aclnn_client import AclnnError, DataType, Format, create_tensor
+from aclnn_client import AclnnError, DataType, Format
 
 OP = "aclnnLayerNormBackward"
 NULL, INVALID = 161001, 161002
 F16 = np.dtype(np.float16)
-
-
-def retag(a: np.ndarray, fmt: int) -> object:
-    """The same array as a tensor with another format tag."""
-    return create_tensor(
-        a.shape, {F32: 0, F16: 1, BF16: 27}[a.dtype], [s // a.itemsize for s in a.strides], 0, fmt, [a.size], a
-    )
-
-
-def set_(**changes):
-    return lambda p: p.update(changes)
-
-
-def cast(name: str, dtype):
-    return lambda p: p.update({name: p[name].astype(dtype)})
-
-
-def reshape(name: str, shape):
-    return lambda p: p.update({name: np.zeros(shape, p[name].dtype)})
 
 
 # (id, mutation, expected code, expected param)

@@ -7,9 +7,9 @@ import math
 import numpy as np
 import pytest
 import torch
-from oracle import BF16, FLOAT_DTYPES, Untouched, assert_close, rand, sentinel_like, t64
+from oracle import BF16, FLOAT_DTYPES, Untouched, assert_close, cast, rand, retag, sentinel_like, set_, t64
 
-from aclnn_client import AclnnError, Format, create_tensor
+from aclnn_client import AclnnError, Format
 
 OP = "LayerNormGrad"
 F32, F16 = np.dtype(np.float32), np.dtype(np.float16)
@@ -106,18 +106,6 @@ def test_output_mask(client, rng, mask):
     p = lng_call(rng, mask=mask)
     client.run(OP, **p)
     check(p)
-
-
-def retag(a: np.ndarray, fmt: int):
-    return create_tensor(a.shape, 0, [s // 4 for s in a.strides], 0, fmt, [a.size], a)
-
-
-def set_(**changes):
-    return lambda p: p.update(changes)
-
-
-def cast(name, dtype):
-    return lambda p: p.update({name: p[name].astype(dtype)})
 
 
 CASES = [

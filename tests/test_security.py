@@ -11,7 +11,7 @@ from layer_norm_cases import layer_norm_call
 from oracle import Untouched
 
 from aclnn_client import AclnnError, Client
-from aclnn_server import ServerOptions, create_server
+from aclnn_server import ServerOptions
 
 OP = "aclnnLayerNormBackward"
 
@@ -21,22 +21,6 @@ def certs(tmp_path_factory):
     return make_certificates(tmp_path_factory.mktemp("certs"))
 
 
-@pytest.fixture
-def serve():
-    """Starts servers with the given options on a free loopback port; yields their address."""
-    started = []
-
-    def start(**options):
-        server, port, engine = create_server(ServerOptions(port=0, backend="numpy", **options))
-        server.start()
-        started.append(server)
-        return f"127.0.0.1:{port}", engine
-
-    yield start
-    for server in started:
-        server.stop(None)
-
-
 def run_ok(client: Client, rng) -> None:
     p = layer_norm_call(rng, (2, 8))
     client.run(OP, **p)
@@ -44,7 +28,7 @@ def run_ok(client: Client, rng) -> None:
 
 
 def test_tls(serve, certs, rng):
-    address, _ = serve(tls_cert=certs.path("server.pem"), tls_key=certs.path("server.key"))
+    address, _, _ = serve(tls_cert=certs.path("server.pem"), tls_key=certs.path("server.key"))
     with Client(address, root_certificates=certs.ca.cert) as c:
         run_ok(c, rng)
     with Client(address, timeout=5) as plaintext, pytest.raises(AclnnError) as info:
@@ -53,7 +37,7 @@ def test_tls(serve, certs, rng):
 
 
 def test_mutual_tls_requires_a_client_certificate(serve, certs, rng):
-    address, _ = serve(
+    address, _, _ = serve(
         tls_cert=certs.path("server.pem"), tls_key=certs.path("server.key"), tls_client_ca=certs.path("ca.pem")
     )
     with Client(
@@ -74,7 +58,7 @@ def token_file(tmp_path):
 
 @pytest.mark.parametrize("token", [None, "mallory", "alice-secret "[:-2]])
 def test_missing_or_wrong_token_is_unauthenticated_and_runs_nothing(serve, token_file, rng, token):
-    address, engine = serve(auth_token_file=token_file)
+    address, _, engine = serve(auth_token_file=token_file)
     p = layer_norm_call(rng, (2, 8))
     untouched = Untouched(p["gradInputOut"], p["gradWeightOut"], p["gradBiasOut"])
     with Client(address, token=token) as c:
@@ -89,7 +73,7 @@ def test_missing_or_wrong_token_is_unauthenticated_and_runs_nothing(serve, token
 def test_valid_token_and_open_health_check(serve, token_file, rng):
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    address, _ = serve(auth_token_file=token_file)
+    address, _, _ = serve(auth_token_file=token_file)
     with Client(address, token="bob-secret") as c:
         run_ok(c, rng)
     with grpc.insecure_channel(address) as channel:  # probes carry no token
@@ -98,7 +82,7 @@ def test_valid_token_and_open_health_check(serve, token_file, rng):
 
 
 def test_executors_belong_to_their_creator(serve, token_file, rng):
-    address, _ = serve(auth_token_file=token_file)
+    address, _, _ = serve(auth_token_file=token_file)
     p = layer_norm_call(rng, (2, 8))
     with Client(address, token="alice-secret") as alice, Client(address, token="bob-secret") as bob:
         _, executor = alice.get_workspace_size(OP, **p)

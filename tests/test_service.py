@@ -23,28 +23,12 @@ from aclnn_client._proto import aclnn_pb2 as pb
 from aclnn_client._proto import aclnn_pb2_grpc as pb_grpc
 from aclnn_client.binding import bind
 from aclnn_client.wire import encode_call
-from aclnn_server import ServerOptions, create_server
 
 OP = "aclnnLayerNormBackward"
 
 
-@pytest.fixture
-def serve():
-    started = []
-
-    def start(**options):
-        server, port, engine = create_server(ServerOptions(port=0, backend="numpy", **options))
-        server.start()
-        started.append(server)
-        return server, f"127.0.0.1:{port}", engine
-
-    yield start
-    for server in started:
-        server.stop(None)
-
-
 def test_health_serving_then_not_serving_while_draining(serve):
-    server, address, _ = serve()
+    address, server, _ = serve()
     with grpc.insecure_channel(address) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         for service in ("", "aclnn.v1.Aclnn"):
@@ -56,7 +40,7 @@ def test_health_serving_then_not_serving_while_draining(serve):
 
 
 def test_reflection_lists_and_describes_the_service(serve):
-    _, address, _ = serve()
+    address, _, _ = serve()
     with grpc.insecure_channel(address) as channel:
         db = ProtoReflectionDescriptorDatabase(channel)
         assert {"aclnn.v1.Aclnn", "grpc.health.v1.Health"} <= set(db.get_services())
@@ -64,7 +48,7 @@ def test_reflection_lists_and_describes_the_service(serve):
 
 
 def test_request_id_is_echoed_and_logged(serve, caplog, rng):
-    _, address, _ = serve()
+    address, _, _ = serve()
     p = layer_norm_call(rng, (2, 4))
     with Client(address) as c:
         c.run(OP, **p)  # warm the operator list
@@ -83,7 +67,7 @@ def test_prometheus_metrics(serve, rng):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         metrics_port = s.getsockname()[1]
-    server, address, _ = serve(metrics_port=metrics_port)
+    address, server, _ = serve(metrics_port=metrics_port)
     with Client(address) as c:
         p = layer_norm_call(rng, (4, 8))
         c.run(OP, **p)
@@ -115,7 +99,7 @@ def raw_run(address: str, p: dict, **kwargs):
 
 def test_queue_bound_answers_resource_exhausted_with_retry_hint(serve, rng):
     """One execution slot held, one call queued: the next is refused at once, and the server recovers."""
-    _, address, engine = serve(max_concurrency=1, max_queue=1)
+    address, _, engine = serve(max_concurrency=1, max_queue=1)
     queued = layer_norm_call(rng, (4, 8))
     with engine.admission.slot(0):  # a long execution holds the only slot
         waiter = concurrent.futures.ThreadPoolExecutor(1).submit(raw_run, address, queued)
@@ -137,7 +121,7 @@ def test_queue_bound_answers_resource_exhausted_with_retry_hint(serve, rng):
 
 
 def test_client_retries_a_busy_server(serve, rng):
-    _, address, engine = serve(max_concurrency=1, max_queue=0)
+    address, _, engine = serve(max_concurrency=1, max_queue=0)
     p = layer_norm_call(rng, (4, 8))
     slot = engine.admission.slot(0)
     slot.__enter__()
@@ -148,7 +132,7 @@ def test_client_retries_a_busy_server(serve, rng):
 
 
 def test_expired_deadline_is_not_run(serve, rng):
-    server, address, engine = serve(max_concurrency=1)
+    address, server, engine = serve(max_concurrency=1)
     p = layer_norm_call(rng, (4, 8))
     with engine.admission.slot(0):
         with Client(address, timeout=0.2) as hurried, pytest.raises(AclnnError) as info:
@@ -162,7 +146,7 @@ def test_expired_deadline_is_not_run(serve, rng):
 
 def test_load_mixed_valid_and_invalid_calls(serve):
     """Several client threads, hundreds of calls, every answer checked, nothing lost."""
-    _, address, _ = serve(max_concurrency=2, max_queue=64)
+    address, _, _ = serve(max_concurrency=2, max_queue=64)
     results = []
 
     def worker(seed: int) -> None:

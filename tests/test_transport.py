@@ -18,26 +18,9 @@ from oracle import assert_close, t64
 from aclnn_client import AclnnError, Client
 from aclnn_client._proto import aclnn_pb2 as pb
 from aclnn_client._proto import aclnn_pb2_grpc as pb_grpc
-from aclnn_server import ServerOptions, create_server
 
 OP = "aclnnLayerNormBackward"
 MIB = 1 << 20
-
-
-@pytest.fixture
-def served():
-    """A server (numpy backend) on a free port: yields (address, server)."""
-    started = []
-
-    def start(**options):
-        server, port, _ = create_server(ServerOptions(port=0, backend="numpy", **options))
-        server.start()
-        started.append(server)
-        return f"127.0.0.1:{port}", server
-
-    yield start
-    for server in started:
-        server.stop(None)
 
 
 def check(p: dict) -> None:
@@ -54,8 +37,8 @@ def wait_for(condition, timeout: float = 10.0) -> None:
 
 
 @pytest.mark.parametrize("phase", ["run", "two-phase"])
-def test_large_tensors_stream_in_chunks_and_are_freed(served, rng, phase):
-    address, server = served()
+def test_large_tensors_stream_in_chunks_and_are_freed(serve, rng, phase):
+    address, server, _ = serve()
     p = layer_norm_call(rng, (512, 1024))  # 2 MiB per tensor, above a 1 MiB inline limit
     wide = np.full((512, 2048), -7.25, np.float32)
     p["gradInputOut"] = wide[:, ::2]  # a strided output view, filled chunk by chunk
@@ -91,8 +74,8 @@ def upload(address: str, chunks, session: str = "s1") -> pb.TensorHandle:
     ],
     ids=["truncated", "out-of-order", "too-long", "empty", "over-budget"],
 )
-def test_bad_uploads_are_refused_and_store_nothing(served, chunks, message):
-    address, server = served()
+def test_bad_uploads_are_refused_and_store_nothing(serve, chunks, message):
+    address, server, _ = serve()
     with pytest.raises(grpc.RpcError) as raised:
         upload(address, chunks)
     assert message in raised.value.details()
@@ -101,8 +84,8 @@ def test_bad_uploads_are_refused_and_store_nothing(served, chunks, message):
     assert handle.size == 3
 
 
-def test_handles_need_their_session(served):
-    address, _ = served()
+def test_handles_need_their_session(serve):
+    address, _, _ = serve()
     handle = upload(address, [pb.TensorChunk(total_size=3, data=b"abc")], session="alice")
     with grpc.insecure_channel(address) as channel:
         stub = pb_grpc.AclnnStub(channel)
@@ -116,16 +99,16 @@ def test_handles_need_their_session(served):
     assert b"".join(c.data for c in chunks) == b"abc"
 
 
-def test_sessions_lapse_and_free_their_tensors(served):
-    address, server = served(session_ttl_s=0.3)
+def test_sessions_lapse_and_free_their_tensors(serve):
+    address, server, _ = serve(session_ttl_s=0.3)
     upload(address, [pb.TensorChunk(total_size=5, data=b"hello")], session="gone")
     assert server.storage.counts() == (1, 0)
     wait_for(lambda: server.storage.counts() == (0, 0))
     assert server.storage.held_bytes == 0
 
 
-def test_shared_memory_moves_no_tensor_bytes_through_messages(served, rng):
-    address, server = served()
+def test_shared_memory_moves_no_tensor_bytes_through_messages(serve, rng):
+    address, server, _ = serve()
     p = layer_norm_call(rng, (256, 1024))
     with Client(address, shared_memory=True) as c:
         for _ in range(3):  # regions are registered once and reused
@@ -141,8 +124,8 @@ def test_shared_memory_moves_no_tensor_bytes_through_messages(served, rng):
     assert server.storage.counts() == (0, 0)  # close() unregistered them
 
 
-def test_shared_memory_regions_are_validated(served):
-    address, _ = served()
+def test_shared_memory_regions_are_validated(serve):
+    address, _, _ = serve()
     from multiprocessing import shared_memory
 
     shm = shared_memory.SharedMemory(create=True, size=4096)
@@ -172,10 +155,11 @@ def test_shared_memory_regions_are_validated(served):
         shm.unlink()
 
 
-def test_regions_are_freed_when_a_client_dies(served, tmp_path):
-    address, server = served(session_ttl_s=0.5)
+def test_regions_are_freed_when_a_client_dies(serve, tmp_path):
+    address, server, _ = serve(session_ttl_s=0.5)
     script = tmp_path / "client.py"
-    script.write_text(textwrap.dedent(f"""
+    script.write_text(
+        textwrap.dedent(f"""
         import os, sys, numpy as np
         sys.path.insert(0, {str(os.path.dirname(__file__))!r})
         from layer_norm_cases import layer_norm_call
@@ -184,7 +168,8 @@ def test_regions_are_freed_when_a_client_dies(served, tmp_path):
         c.run("{OP}", **layer_norm_call(np.random.default_rng(0), (64, 256)))
         print("ran", flush=True)
         sys.stdin.read()
-    """))
+    """)
+    )
     proc = subprocess.Popen([sys.executable, str(script)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout.readline() == "ran\n"
@@ -196,8 +181,8 @@ def test_regions_are_freed_when_a_client_dies(served, tmp_path):
         proc.kill()
 
 
-def test_async_calls_in_flight(served):
-    address, _ = served(max_concurrency=2)
+def test_async_calls_in_flight(serve):
+    address, _, _ = serve(max_concurrency=2)
     calls = [layer_norm_call(np.random.default_rng(i), (16, 64)) for i in range(24)]
     with Client(address) as c:
         futures = [c.run_async(OP, **p) for p in calls]
@@ -206,8 +191,8 @@ def test_async_calls_in_flight(served):
         check(p)
 
 
-def test_async_errors_arrive_in_the_future(served, rng):
-    address, _ = served()
+def test_async_errors_arrive_in_the_future(serve, rng):
+    address, _, _ = serve()
     p = layer_norm_call(rng, (4, 8))
     p["mean"] = None
     with Client(address) as c:
@@ -216,11 +201,11 @@ def test_async_errors_arrive_in_the_future(served, rng):
 
 
 @pytest.mark.parametrize("transport", ["grpc", "local"])
-def test_same_stream_runs_in_submission_order(served, transport):
+def test_same_stream_runs_in_submission_order(serve, transport):
     """Twelve calls write one output on one stream: the last submitted must be what remains."""
     from aclnn_server import LocalClient
 
-    address, _ = served(max_concurrency=2)
+    address, _, _ = serve(max_concurrency=2)
     client = Client(address) if transport == "grpc" else LocalClient()
     rng = np.random.default_rng(5)
     base = layer_norm_call(rng, (32, 128), mask=(False, False, True))
@@ -238,9 +223,9 @@ def test_same_stream_runs_in_submission_order(served, transport):
 
 
 @pytest.mark.slow
-def test_tensors_above_2_gib_round_trip(served):
+def test_tensors_above_2_gib_round_trip(serve):
     """A 2.1 GiB input goes up in chunks and a 2.1 GiB result comes back in chunks (about 9 GiB of RAM)."""
-    address, _ = served(max_message_bytes=64 * MIB)
+    address, _, _ = serve(max_message_bytes=64 * MIB)
     rows, n = 540_000, 1024  # 2.06 GiB of fp32
     rng = np.random.default_rng(7)
     base = rng.uniform(-1, 1, n).astype(np.float32)
@@ -252,11 +237,27 @@ def test_tensors_above_2_gib_round_trip(served):
     dx = np.empty((rows, n), np.float32)
     db = np.empty(n, np.float32)
     with Client(address, max_inline_bytes=64 * MIB) as c:
-        c.run(OP, gradOut=g, input=x, normalizedShape=[n], mean=mean, rstd=rstd,
-              outputMask=[True, False, True], gradInputOut=dx, gradBiasOut=db)
+        c.run(
+            OP,
+            gradOut=g,
+            input=x,
+            normalizedShape=[n],
+            mean=mean,
+            rstd=rstd,
+            outputMask=[True, False, True],
+            gradInputOut=dx,
+            gradBiasOut=db,
+        )
     for row in (0, 1, 6, rows // 2, rows - 1):
         ref = torch.ops.aten.native_layer_norm_backward(
-            t64(g[row : row + 1]), t64(x[row : row + 1]), [n], t64(mean[row : row + 1]), t64(rstd[row : row + 1]),
-            torch.ones(n, dtype=torch.float64), torch.zeros(n, dtype=torch.float64), [True, False, False])[0]
+            t64(g[row : row + 1]),
+            t64(x[row : row + 1]),
+            [n],
+            t64(mean[row : row + 1]),
+            t64(rstd[row : row + 1]),
+            torch.ones(n, dtype=torch.float64),
+            torch.zeros(n, dtype=torch.float64),
+            [True, False, False],
+        )[0]
         assert_close(dx[row : row + 1], ref, f"row {row}")
     assert_close(db, t64(g[0]) * rows)
