@@ -394,3 +394,32 @@ def test_layer_norm_grad_runs_on_the_reference_logged_once(fake, local, local_ba
         "LayerNormGrad has no aclnn API in CANN; the npu backend runs it on the NumPy reference"
     ]
     assert fake.calls("aclnnLayerNormBackwardGetWorkspaceSize") == calls
+
+
+@pytest.mark.parametrize("backend", ["npu", "auto"])
+def test_aclnn_serve_process_on_the_fake_npu(fake, rng, backend):
+    """The console entry point with the fake CANN found through ACLNN_CANN_LIB_DIR: `auto` picks the NPU."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "aclnn_server", "--backend", backend, "--port", "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "ACLNN_CANN_LIB_DIR": str(fake.directory)},
+    )
+    try:
+        line = proc.stdout.readline()
+        address = re.fullmatch(r"listening on (\S+)\n", line)[1]
+        with Client(address) as c:
+            p = layer_norm_call(rng, (6, 32))
+            c.run(OP, **p)
+            check_ln(p)
+            bad = dict(p, rstd=None)
+            with pytest.raises(AclnnError) as info:
+                c.run(OP, **bad)
+            assert (info.value.code, info.value.param) == (161001, "rstd")
+        proc.terminate()
+        assert proc.wait(timeout=30) == 0
+        assert "backend npu" in proc.stderr.read()
+    finally:
+        proc.kill()
+        proc.wait()

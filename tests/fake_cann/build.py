@@ -40,6 +40,7 @@ class FakeCann:
     """The fake's test hooks (fake_* functions) over the already loaded library."""
 
     def __init__(self, directory: Path) -> None:
+        self.directory = directory
         self.lib = ctypes.CDLL(str(directory / "libascendcl.so"), mode=ctypes.RTLD_GLOBAL)
         s, L = ctypes.c_char_p, ctypes.c_long
         for name, res, args in (
