@@ -52,23 +52,17 @@ class BaseClient(abc.ABC):
         """
         if not isinstance(executor, Executor):
             raise invalid_error("executor", f"expected an Executor from get_workspace_size, got {executor!r:.60}")
-        self._in_order(stream, lambda: self._execute_now(executor, stream)).result()
+        self._in_order(stream, lambda: self._execute(executor, stream)).result()
 
     def run(self, op: str, *, stream: int | None = None, **params: Any) -> None:
         """Both phases in one round trip; fills the outputs in place."""
         call = bind(op, params, self._output_names(op))
-        self._in_order(stream, lambda: self._run_now(call, stream)).result()
+        self._in_order(stream, lambda: self._run(call, stream)).result()
 
     def run_async(self, op: str, *, stream: int | None = None, **params: Any) -> concurrent.futures.Future:
         """`run` in the background: the future's result is None once the outputs are filled."""
         call = bind(op, params, self._output_names(op))
-        return self._in_order(stream, lambda: self._run_now(call, stream), background=True)
-
-    def _execute_now(self, executor: Executor, stream: int | None) -> None:
-        self._execute(executor, stream)
-
-    def _run_now(self, call: BoundCall, stream: int | None) -> None:
-        self._run(call, stream)
+        return self._in_order(stream, lambda: self._run(call, stream), background=True)
 
     def _in_order(
         self, stream: int | None, work: Callable[[], None], background: bool = False

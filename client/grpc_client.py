@@ -21,7 +21,7 @@ from .api import BaseClient, Executor
 from .binding import BoundCall
 from .errors import AclnnError
 from .tensor import Tensor, Value
-from .transfer import Region, RegionPool, byte_view, receive_into, upload_chunks
+from .transfer import Region, RegionPool, byte_view, receive_into, to_chunks
 from .types import numpy_dtype
 from .wire import decode_error, decode_output, encode_call
 
@@ -360,7 +360,7 @@ class Client(BaseClient):
     def _upload(self, replica: int, data: memoryview) -> str:
         try:
             reply = self._stubs[replica].UploadTensor(
-                upload_chunks(data), metadata=self._metadata(), timeout=self._timeout
+                to_chunks(data), metadata=self._metadata(), timeout=self._timeout
             )
         except grpc.RpcError as error:
             raise decode_error(error) from None
@@ -374,7 +374,7 @@ class Client(BaseClient):
 
     def _region(self, replica: int, size: int) -> Region | None:
         """A pooled region registered with `replica`, or None when the server cannot map it (another host)."""
-        region, _ = self._regions.acquire(size)
+        region = self._regions.acquire(size)
         key = (replica, region.name)
         if key not in self._registered:
             try:

@@ -82,11 +82,3 @@ def tensor_from_array(array: np.ndarray) -> Tensor:
     span = 0 if array.size == 0 else 1 + sum((d - 1) * s for d, s in zip(array.shape, strides))
     storage = as_strided(array, shape=(span,), strides=(itemsize,), writeable=False)
     return Tensor(array.shape, data_type, strides, 0, Format.ND, (span,), storage)
-
-
-def storage_bytes(tensor: Tensor) -> bytes:
-    """The storage of a tensor as bytes (one copy for a NumPy array)."""
-    data = tensor.data
-    if isinstance(data, np.ndarray):
-        return data.tobytes()
-    return bytes(data) if data is not None else b""

@@ -11,7 +11,7 @@ import numpy as np
 
 from ._proto import aclnn_pb2 as pb
 
-# Upload/download chunk: 4 MiB measured fastest of 1-16 MiB on loopback (bench/transport.py).
+# Upload/download chunk size: 4 MiB, chosen, not yet tuned by measurement (see bench/transport.py).
 CHUNK_BYTES = 4 << 20
 
 
@@ -22,8 +22,11 @@ def byte_view(data: object) -> memoryview:
     return memoryview(data).cast("B")
 
 
-def upload_chunks(data: memoryview, chunk_bytes: int = CHUNK_BYTES) -> Iterator[pb.TensorChunk]:
-    """The bytes as in-order TensorChunks; only one chunk is copied at a time."""
+def to_chunks(data: memoryview, chunk_bytes: int = CHUNK_BYTES) -> Iterator[pb.TensorChunk]:
+    """The bytes as in-order TensorChunks (one empty chunk for no bytes); one chunk is copied at a time.
+
+    Uploads (client) and downloads (server) both stream this way.
+    """
     total = data.nbytes
     for offset in range(0, max(total, 1), chunk_bytes):
         yield pb.TensorChunk(total_size=total, offset=offset, data=bytes(data[offset : offset + chunk_bytes]))
@@ -70,18 +73,18 @@ class RegionPool:
         self.all: list[Region] = []
         self._lock = threading.Lock()
 
-    def acquire(self, size: int) -> tuple[Region, bool]:
-        """A free region of at least `size` bytes, and whether it is new (not yet registered)."""
+    def acquire(self, size: int) -> Region:
+        """A free region of at least `size` bytes (a new one when none fits)."""
         with self._lock:
             fits = [r for r in self._free if r.size >= size]
             if fits:
                 region = min(fits, key=lambda r: r.size)
                 self._free.remove(region)
-                return region, False
+                return region
         region = Region(max(size, 4096))
         with self._lock:
             self.all.append(region)
-        return region, True
+        return region
 
     def release(self, regions: Iterable[Region]) -> None:
         with self._lock:

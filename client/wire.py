@@ -11,7 +11,8 @@ from grpc_status import rpc_status
 
 from ._proto import aclnn_pb2 as pb
 from .errors import AclnnError, Status
-from .tensor import BoolArray, IntArray, Tensor, Value, storage_bytes
+from .tensor import BoolArray, IntArray, Tensor, Value
+from .transfer import byte_view
 from .types import numpy_dtype
 
 
@@ -25,7 +26,7 @@ def encode_tensor(tensor: Tensor) -> pb.Tensor:
         storage_dims=tensor.storage_dims,
     )
     if tensor.data is not None:
-        message.data = storage_bytes(tensor)
+        message.data = byte_view(tensor.data).tobytes()
     return message
 
 

@@ -43,6 +43,11 @@ class Storage:
         self._sessions: dict[str, Session] = {}
         self._lock = threading.Lock()
 
+    def reap(self) -> None:
+        """Frees the handles and unmaps the regions of sessions whose lease lapsed."""
+        with self._lock:
+            self._reap()
+
     def counts(self) -> tuple[int, int]:
         """(live handles, mapped regions) over all sessions."""
         with self._lock:

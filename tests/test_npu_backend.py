@@ -20,10 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import test_batch_norm_backward as bn_suite
-import test_batch_norm_elemt_backward as elemt_suite
-import test_layer_norm_backward as ln_suite
-import test_layer_norm_grad as ln_grad_suite
+from conformance import collect_into
 from fake_cann.build import FakeCann, build
 from layer_norm_cases import layer_norm_call, layer_norm_reference
 from oracle import Untouched, assert_close
@@ -36,14 +33,8 @@ OP = "aclnnLayerNormBackward"
 LN_OUTPUTS = ("gradInputOut", "gradWeightOut", "gradBiasOut")
 TESTS_DIR = Path(__file__).parent
 
-# The operator conformance suites, collected here again with this module's `client` fixture.
-# (Error-table tests are left out: validation runs before any backend is reached.)
-_SKIP = re.compile(r"error_table|dtype_and_shape_relations|unknown_parameter|tiles_smaller")
-for _suite in (ln_suite, ln_grad_suite, bn_suite, elemt_suite):
-    for _name, _fn in vars(_suite).items():
-        if _name.startswith("test_") and callable(_fn) and not _SKIP.search(_name):
-            globals()[f"{_name}__{_suite.__name__.removeprefix('test_')}"] = _fn
-del _suite, _name, _fn
+# The operator conformance suites, run here again with this module's `client` fixture.
+collect_into(globals())
 
 
 @pytest.fixture(scope="session")

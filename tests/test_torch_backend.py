@@ -6,15 +6,11 @@ server whose engine holds another TorchBackend.
 
 from __future__ import annotations
 
-import re
 import sys
 
 import numpy as np
 import pytest
-import test_batch_norm_backward as bn_suite
-import test_batch_norm_elemt_backward as elemt_suite
-import test_layer_norm_backward as ln_suite
-import test_layer_norm_grad as ln_grad_suite
+from conformance import collect_into
 from layer_norm_cases import layer_norm_call, layer_norm_reference
 from oracle import assert_close
 
@@ -22,14 +18,8 @@ from aclnn_client import Client
 from aclnn_server import Engine, LocalClient, ServerOptions, create_server
 from aclnn_server.backends.torch_backend import TorchBackend
 
-# The operator conformance suites, collected here again with this module's `client` fixture.
-# (Error-table tests are left out: validation runs before any backend is reached.)
-_SKIP = re.compile(r"error_table|dtype_and_shape_relations|unknown_parameter|tiles_smaller")
-for _suite in (ln_suite, ln_grad_suite, bn_suite, elemt_suite):
-    for _name, _fn in vars(_suite).items():
-        if _name.startswith("test_") and callable(_fn) and not _SKIP.search(_name):
-            globals()[f"{_name}__{_suite.__name__.removeprefix('test_')}"] = _fn
-del _suite, _name, _fn
+# The operator conformance suites, run here again with this module's `client` fixture.
+collect_into(globals())
 
 
 @pytest.fixture(scope="module")

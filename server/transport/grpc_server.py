@@ -23,6 +23,7 @@ from grpc_status import rpc_status
 from aclnn_client._proto import aclnn_pb2 as pb
 from aclnn_client._proto import aclnn_pb2_grpc as pb_grpc
 from aclnn_client.errors import AclnnError, Status, invalid_error
+from aclnn_client.transfer import to_chunks
 
 from ..admission import CallAbandoned
 from ..config import ServerOptions
@@ -33,7 +34,7 @@ from ..metrics import Metrics
 from ..params import check
 from ..storage import Storage
 from .auth import TokenAuthInterceptor, caller_identity, read_tokens
-from .wire import chunks, decode_params, output_tensor
+from .wire import decode_params, output_tensor
 
 log = logging.getLogger("aclnn_server")
 
@@ -44,8 +45,6 @@ _GRPC_CODES = {
     Status.RUNTIME_ERROR: code_pb2.UNAVAILABLE,
 }
 _RETRY_AFTER = duration_pb2.Duration(nanos=100_000_000)
-# DownloadTensor's chunk size (bytes): measured best of 1-16 MiB on loopback (see bench/transport.py).
-CHUNK_BYTES = 4 << 20
 
 
 class _Status(grpc.Status):
@@ -248,7 +247,7 @@ class AclnnServicer(pb_grpc.AclnnServicer):
     def DownloadTensor(self, request: pb.TensorHandle, call: CallContext) -> Iterator[pb.TensorChunk]:
         buffer = self.storage.handle(call.session, call.owner, request.handle)
         call.bytes_out = buffer.nbytes
-        return chunks(buffer, CHUNK_BYTES)
+        return to_chunks(buffer)
 
     @_rpc
     def FreeTensor(self, request: pb.TensorHandle, call: CallContext) -> pb.Empty:
@@ -356,7 +355,7 @@ class AclnnServer:
     def _reap(self) -> None:
         """Frees lapsed sessions' handles and regions even when no call arrives to notice."""
         while not self._stopping.wait(self.options.session_ttl_s / 2):
-            self.storage.counts()
+            self.storage.reap()
 
     def stop(self, grace: float | None) -> threading.Event:
         """Reports NOT_SERVING, refuses new calls, lets in-flight ones finish within `grace` seconds."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -52,10 +52,3 @@ def decode_params(params: Mapping[str, pb.Value], resolve: StorageResolver) -> d
 def output_tensor(array: np.ndarray, inline: bool = True, handle: str = "") -> pb.OutputTensor:
     data = array.tobytes() if inline else b""
     return pb.OutputTensor(data_type=data_type_of(array.dtype), dims=array.shape, data=data, handle=handle)
-
-
-def chunks(buffer: memoryview, chunk_bytes: int) -> Iterator[pb.TensorChunk]:
-    """A buffer as TensorChunks of at most chunk_bytes (one empty chunk for no bytes)."""
-    total = buffer.nbytes
-    for offset in range(0, max(total, 1), chunk_bytes):
-        yield pb.TensorChunk(total_size=total, offset=offset, data=bytes(buffer[offset : offset + chunk_bytes]))
