@@ -39,9 +39,11 @@ def sentinel_like(shape, dtype) -> np.ndarray:
 
 
 class Untouched:
-    """Snapshots arrays; `.check()` asserts their bytes did not change."""
+    """Snapshots outputs (arrays, or create_tensor descriptors over a storage array); `.check()`
+    asserts their bytes did not change."""
 
-    def __init__(self, *arrays: np.ndarray | None) -> None:
+    def __init__(self, *outputs: object) -> None:
+        arrays = [getattr(o, "data", None) if not isinstance(o, np.ndarray) else o for o in outputs]
         self.arrays = [a for a in arrays if isinstance(a, np.ndarray)]
         self.before = [a.copy() for a in self.arrays]
 
