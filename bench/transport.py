@@ -1,4 +1,4 @@
-"""Transport benchmark: aclnn-serve (unary, chunked streaming, shared memory) against PyTorch RPC.
+"""Transport benchmark: aclnn-serve (data channel, gRPC unary and streaming, shared memory) against PyTorch RPC.
 
 Both servers run in their own process on this machine and are reached over TCP loopback;
 every number is a median (or percentile) measured in this one run, so ratios compare like
@@ -104,8 +104,9 @@ def main() -> int:
         rpc_large = statistics.median(timed(lambda: rpc.rpc_sync("server", layer_norm_backward, torch_args), repeats))
         rows_out.append((f"large {large_rows}x4096 fp32", "PyTorch RPC (TensorPipe)", rpc_large, 1.0))
         for label, kwargs in [
-            ("aclnn-serve unary", dict(max_inline_bytes=2**31)),
-            ("aclnn-serve streaming (4 MiB chunks)", dict(max_inline_bytes=1 << 20)),
+            ("aclnn-serve default (data channel)", {}),
+            ("aclnn-serve gRPC unary", dict(data_channel=False, max_inline_bytes=2**31)),
+            ("aclnn-serve gRPC streaming (4 MiB chunks)", dict(data_channel=False, max_inline_bytes=1 << 20)),
             ("aclnn-serve shared memory", dict(shared_memory=True)),
         ]:
             with Client(address, **kwargs) as c:
@@ -117,34 +118,41 @@ def main() -> int:
         small = make_inputs(4, 1024)
         small_torch = tuple(torch.from_numpy(small[k]) for k in ("gradOut", "input", "mean", "rstd", "weightOptional"))
         rpc_small = timed(lambda: rpc.rpc_sync("server", layer_norm_backward, small_torch), small_calls, warmup=50)
-        with Client(address) as c:
-            p = aclnn_params(small)
-            ours_small = timed(lambda: c.run(OP, **p), small_calls, warmup=50)
-        for label, samples in [("PyTorch RPC (TensorPipe)", rpc_small), ("aclnn-serve unary Run", ours_small)]:
+        small_rows = [("PyTorch RPC (TensorPipe)", rpc_small)]
+        paths = [("aclnn-serve Run, data channel", {}), ("aclnn-serve Run, gRPC", dict(data_channel=False))]
+        for label, kwargs in paths:
+            with Client(address, **kwargs) as c:
+                p = aclnn_params(small)
+                small_rows.append((label, timed(lambda c=c, p=p: c.run(OP, **p), small_calls, warmup=50)))
+        for label, samples in small_rows:
             p50, p99 = percentile(samples, 0.5), percentile(samples, 0.99)
             rows_out.append(("small 4x1024 fp32 p50 / p99", label, p50, p99))
 
         # Throughput: several concurrent clients of small calls for a fixed time.
         clients, seconds = 4, 2.0 if args.quick else 4.0
 
-        def ours_loop(_: int) -> int:
-            with Client(address) as c:
+        def ours_loop(kwargs: dict) -> int:
+            with Client(address, **kwargs) as c:
                 p, done, end = aclnn_params(small), 0, time.monotonic() + seconds
                 while time.monotonic() < end:
                     c.run(OP, **p)
                     done += 1
                 return done
 
-        def rpc_loop(_: int) -> int:
+        def rpc_loop(_: dict) -> int:
             done, end = 0, time.monotonic() + seconds
             while time.monotonic() < end:
                 rpc.rpc_sync("server", layer_norm_backward, small_torch)
                 done += 1
             return done
 
-        for label, loop in [("PyTorch RPC (TensorPipe)", rpc_loop), ("aclnn-serve unary Run", ours_loop)]:
+        for label, loop, kwargs in [
+            ("PyTorch RPC (TensorPipe)", rpc_loop, {}),
+            ("aclnn-serve Run, data channel", ours_loop, {}),
+            ("aclnn-serve Run, gRPC", ours_loop, dict(data_channel=False)),
+        ]:
             with concurrent.futures.ThreadPoolExecutor(clients) as pool:
-                total = sum(pool.map(loop, range(clients)))
+                total = sum(pool.map(loop, [kwargs] * clients))
             rows_out.append((f"throughput, {clients} client threads", label, total / seconds, 0.0))
     finally:
         rpc.shutdown()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import math
 import secrets
 import socket
@@ -19,11 +20,15 @@ from ._proto import aclnn_pb2 as pb
 from ._proto import aclnn_pb2_grpc as pb_grpc
 from .api import BaseClient, Executor
 from .binding import BoundCall
+from .data_channel import METHODS as DATA_CHANNEL_METHODS
+from .data_channel import DataChannel
 from .errors import AclnnError
 from .tensor import Tensor, Value
 from .transfer import Region, RegionPool, byte_view, receive_into, to_chunks
 from .types import numpy_dtype
 from .wire import decode_error, decode_output, encode_call
+
+log = logging.getLogger("aclnn_client")
 
 # The server enforces its own message limit; the client accepts whatever it is sent.
 _UNLIMITED = -1
@@ -33,6 +38,8 @@ _RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
 _DOWN_S = 2.0
 # How often a client holding shared-memory regions renews its session's lease.
 _KEEPALIVE_S = 10.0
+# How long the client waits to reach a server's data channel before it settles for gRPC.
+_CONNECT_S = 5.0
 _SERVICE_CONFIG = json.dumps(
     {
         "loadBalancingConfig": [{"round_robin": {}}],
@@ -78,6 +85,10 @@ class _Download:
         self.dtype, self.shape = numpy_dtype(output.data_type), tuple(output.dims)
 
     def write_into(self, view: np.ndarray) -> None:
+        channel = self.client._data_channel(self.replica)
+        if channel is not None:
+            channel.download(self.handle, view, self.client._timeout)
+            return
         stub = self.client._stubs[self.replica]
         try:
             chunks = stub.DownloadTensor(
@@ -172,7 +183,10 @@ class Client(BaseClient):
     Tensors larger than `max_inline_bytes` are streamed in chunks and referenced by handle,
     so they may exceed gRPC's message limits (2 GiB included). With `shared_memory=True`,
     tensor bytes go through POSIX shared memory when the server shares this host (through
-    messages otherwise).
+    messages otherwise). With `data_channel=True` (the default) and a plaintext server, calls
+    and tensor bytes go over the server's data channel, a plain TCP connection beside gRPC
+    that moves bytes without protobuf copies (gRPC when the server offers none, or it cannot
+    be reached).
     """
 
     def __init__(
@@ -184,6 +198,7 @@ class Client(BaseClient):
         private_key: bytes | None = None,
         certificate_chain: bytes | None = None,
         shared_memory: bool = False,
+        data_channel: bool = True,
         timeout: float | None = None,
         max_inline_bytes: int = 4 << 20,
         options: Sequence[tuple[str, Any]] = (),
@@ -209,6 +224,12 @@ class Client(BaseClient):
             for a in addresses
         ]
         self._stubs = [pb_grpc.AclnnStub(c) for c in self._channels]
+        # Per replica: its data channel, None (gRPC only), absent until first needed. Not under TLS.
+        self._addresses = addresses
+        self._data_channels: dict[int, DataChannel | None] = (
+            {} if data_channel and not secure else dict.fromkeys(range(len(addresses)))
+        )
+        self._data_lock = threading.Lock()
         self._down_until = [0.0] * len(addresses)
         self._turn = itertools.count()
         self._base_metadata = (("x-aclnn-session", secrets.token_hex(16)),)
@@ -234,6 +255,9 @@ class Client(BaseClient):
                 pass  # the server is gone: its lease on our session lapses by itself
         self._registered.clear()
         self._regions.close()
+        for data in self._data_channels.values():
+            if data is not None:
+                data.close()
         for channel in self._channels:
             channel.close()
 
@@ -251,6 +275,17 @@ class Client(BaseClient):
         return self._base_metadata if stream is None else (*self._base_metadata, ("x-aclnn-stream", str(stream)))
 
     def _call_on(self, replica: int, method: str, request: Any, stream: int | None = None) -> Any:
+        channel = self._data_channel(replica) if method in DATA_CHANNEL_METHODS else None
+        if channel is None:
+            return self._call_grpc(replica, method, request, stream)
+        try:
+            return channel.call(method, request, stream, self._timeout)
+        except AclnnError as error:
+            if error.grpc_code == grpc.StatusCode.UNAVAILABLE:
+                self._forget_data_channel(replica)  # the server may be back on another port: ask again
+            raise
+
+    def _call_grpc(self, replica: int, method: str, request: Any, stream: int | None = None) -> Any:
         try:
             return getattr(self._stubs[replica], method)(
                 request, metadata=self._metadata(stream), timeout=self._timeout
@@ -358,13 +393,50 @@ class Client(BaseClient):
     # Bytes outside messages -------------------------------------------------------------------
 
     def _upload(self, replica: int, data: memoryview) -> str:
+        channel = self._data_channel(replica)
+        if channel is not None:
+            return channel.upload(data, self._timeout)
         try:
-            reply = self._stubs[replica].UploadTensor(
-                to_chunks(data), metadata=self._metadata(), timeout=self._timeout
-            )
+            reply = self._stubs[replica].UploadTensor(to_chunks(data), metadata=self._metadata(), timeout=self._timeout)
         except grpc.RpcError as error:
             raise decode_error(error) from None
         return reply.handle
+
+    def _data_channel(self, replica: int) -> DataChannel | None:
+        """The replica's data channel, asked for once; None when it offers none or cannot be reached."""
+        if replica in self._data_channels:
+            return self._data_channels[replica]
+        with self._data_lock:
+            if replica not in self._data_channels:
+                self._data_channels[replica] = self._open_data_channel(replica)
+        return self._data_channels[replica]
+
+    def _open_data_channel(self, replica: int) -> DataChannel | None:
+        host = data_channel_host(self._addresses[replica])
+        if host is None:
+            return None
+        try:
+            offer = self._call_grpc(replica, "OpenDataChannel", pb.Empty())
+        except AclnnError as error:
+            if error.grpc_code == grpc.StatusCode.UNIMPLEMENTED:
+                return None  # a server from before the data channel
+            raise
+        if not offer.port:
+            return None
+        try:
+            socket.create_connection((host, offer.port), timeout=_CONNECT_S).close()
+        except OSError as exc:
+            log.warning("data channel %s:%d unreachable (%s): using gRPC only", host, offer.port, exc)
+            return None
+        return DataChannel(
+            host, offer.port, offer.ticket, lambda: self._call_grpc(replica, "OpenDataChannel", pb.Empty()).ticket
+        )
+
+    def _forget_data_channel(self, replica: int) -> None:
+        with self._data_lock:
+            channel = self._data_channels.pop(replica, None)
+        if channel is not None:
+            channel.close()
 
     def _free(self, replica: int, handle: str) -> None:
         try:
@@ -404,6 +476,14 @@ class Client(BaseClient):
 
         self._keepalive = threading.Thread(target=renew, name="aclnn-keepalive", daemon=True)
         self._keepalive.start()
+
+
+def data_channel_host(address: str) -> str | None:
+    """The host of a "host:port" or "[v6]:port" address (None for other gRPC targets: unix:, ...)."""
+    host, colon, port = address.rpartition(":")
+    if not colon or not port.isdigit() or "/" in host or host.startswith(("unix", "ipv4", "ipv6", "vsock")):
+        return None
+    return host[1:-1] if host.startswith("[") else host
 
 
 def _output_sizes(values: Mapping[str, Value], outputs: Any) -> dict[str, int]:

@@ -6,7 +6,7 @@ from collections.abc import Mapping
 
 import grpc
 import numpy as np
-from google.rpc import error_details_pb2
+from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
 from ._proto import aclnn_pb2 as pb
@@ -14,6 +14,8 @@ from .errors import AclnnError, Status
 from .tensor import BoolArray, IntArray, Tensor, Value
 from .transfer import byte_view
 from .types import numpy_dtype
+
+_GRPC_CODES = {code.value[0]: code for code in grpc.StatusCode}
 
 
 def encode_tensor(tensor: Tensor) -> pb.Tensor:
@@ -65,15 +67,23 @@ def decode_outputs(outputs: Mapping[str, pb.OutputTensor]) -> dict[str, np.ndarr
     return {name: decode_output(out) for name, out in outputs.items()}
 
 
-def decode_error(error: grpc.RpcError) -> AclnnError:
-    """The AclnnError a failed RPC carries in its google.rpc.Status ErrorInfo detail."""
-    status = rpc_status.from_call(error) if isinstance(error, grpc.Call) else None
-    for detail in status.details if status else ():
+def decode_status(status: status_pb2.Status) -> AclnnError:
+    """The AclnnError a google.rpc.Status carries in its ErrorInfo detail (a runtime error without one)."""
+    code = _GRPC_CODES.get(status.code, grpc.StatusCode.UNKNOWN)
+    for detail in status.details:
         info = error_details_pb2.ErrorInfo()
         if detail.Unpack(info) and info.domain == "aclnn":
-            code = int(info.metadata.get("status", Status.INNER))
-            return AclnnError(code, status.message, info.metadata.get("param", ""), grpc_code=error.code())
-    code = error.code() if isinstance(error, grpc.Call) else grpc.StatusCode.UNKNOWN
-    details = error.details() if isinstance(error, grpc.Call) else str(error)
+            aclnn_code = int(info.metadata.get("status", Status.INNER))
+            return AclnnError(aclnn_code, status.message, info.metadata.get("param", ""), grpc_code=code)
     # Transport failures (server gone, deadline, ...) are runtime errors to the caller.
-    return AclnnError(Status.RUNTIME_ERROR, f"{code.name}: {details}", grpc_code=code)
+    return AclnnError(Status.RUNTIME_ERROR, f"{code.name}: {status.message}", grpc_code=code)
+
+
+def decode_error(error: grpc.RpcError) -> AclnnError:
+    """The AclnnError a failed RPC carries in its google.rpc.Status."""
+    status = rpc_status.from_call(error) if isinstance(error, grpc.Call) else None
+    if status is None:
+        code = error.code() if isinstance(error, grpc.Call) else grpc.StatusCode.UNKNOWN
+        details = error.details() if isinstance(error, grpc.Call) else str(error)
+        status = status_pb2.Status(code=code.value[0], message=details or "")
+    return decode_status(status)

@@ -80,13 +80,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         signal.signal(signum, lambda *_: stop.set())
     server.start()
     log.info(
-        "backend %s; operators %s; max concurrency %d, queue %d; auth %s; tls %s; metrics %s",
+        "backend %s; operators %s; max concurrency %d, queue %d; auth %s; tls %s; data channel %s; metrics %s",
         engine.backend.name,
         ", ".join(sorted(engine.operators)),
         options.max_concurrency,
         options.max_queue,
         "on" if options.auth_token_file else "off",
         "mutual" if options.tls_client_ca else "on" if options.tls_cert else "off",
+        f"port {server.data_channel.port}" if server.data_channel else "off",
         f"port {server.metrics_port}" if server.metrics_port else "off",
     )
     print(f"listening on {options.host}:{port}", flush=True)

@@ -36,6 +36,13 @@ class ServerOptions(BaseSettings):
     backend: BackendName = Field("auto", description="compute backend: auto, numpy, cpu, torch or npu")
     device: int = Field(0, ge=0, description="NPU device id for --backend npu")
     torch_device: str = Field("cpu", description="torch device for --backend torch: cpu, cuda:N or npu:N")
+    data_port: int = Field(
+        0,
+        ge=-1,
+        le=65535,
+        description="data channel port (raw TCP beside gRPC for tensor bytes and fast calls; not with TLS); "
+        "0 picks a free one, -1 = off",
+    )
     metrics_port: int = Field(0, ge=0, le=65535, description="Prometheus /metrics port; 0 = off")
     tls_cert: pathlib.Path | None = Field(None, description="server certificate chain (PEM)")
     tls_key: pathlib.Path | None = Field(None, description="server private key (PEM)")

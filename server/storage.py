@@ -16,6 +16,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from aclnn_client.errors import Status, invalid_error
 
 from .executors import CapacityError
@@ -97,8 +99,12 @@ class Storage:
 
     # Handles ------------------------------------------------------------------------------
 
-    def reserve(self, session_id: str | None, owner: str | None, size: int) -> bytearray:
-        """A zeroed buffer for an upload of `size` bytes, within the budget."""
+    def reserve(self, session_id: str | None, owner: str | None, size: int) -> memoryview:
+        """A buffer for an upload of `size` bytes, within the budget.
+
+        Not zeroed: an upload becomes a handle only once it filled every byte (and a large
+        NumPy allocation is backed by huge pages, faulting in far faster than a bytearray).
+        """
         with self._lock:
             self._session(session_id, owner)
             if size > self.budget_bytes - self.held_bytes:
@@ -108,7 +114,7 @@ class Storage:
                     "chunk",
                 )
             self.held_bytes += size
-        return bytearray(size)
+        return memoryview(np.empty(size, np.uint8))
 
     def release(self, size: int) -> None:
         """Returns a reservation that never became a handle (a failed upload)."""

@@ -214,6 +214,14 @@ class RunResponse(_message.Message):
     outputs: _containers.MessageMap[str, OutputTensor]
     def __init__(self, workspace_size: _Optional[int] = ..., outputs: _Optional[_Mapping[str, OutputTensor]] = ...) -> None: ...
 
+class DataChannelTicket(_message.Message):
+    __slots__ = ("port", "ticket")
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    TICKET_FIELD_NUMBER: _ClassVar[int]
+    port: int
+    ticket: bytes
+    def __init__(self, port: _Optional[int] = ..., ticket: _Optional[bytes] = ...) -> None: ...
+
 class ExecutorRef(_message.Message):
     __slots__ = ("executor",)
     EXECUTOR_FIELD_NUMBER: _ClassVar[int]

@@ -95,6 +95,11 @@ class AclnnStub:
                 request_serializer=aclnn_dot_v1_dot_aclnn__pb2.Empty.SerializeToString,
                 response_deserializer=aclnn_dot_v1_dot_aclnn__pb2.Empty.FromString,
                 _registered_method=True)
+        self.OpenDataChannel = channel.unary_unary(
+                '/aclnn.v1.Aclnn/OpenDataChannel',
+                request_serializer=aclnn_dot_v1_dot_aclnn__pb2.Empty.SerializeToString,
+                response_deserializer=aclnn_dot_v1_dot_aclnn__pb2.DataChannelTicket.FromString,
+                _registered_method=True)
 
 
 class AclnnServicer:
@@ -181,6 +186,13 @@ class AclnnServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def OpenDataChannel(self, request, context):
+        """A ticket for one data-channel connection (fast bulk bytes and unary calls).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AclnnServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -243,6 +255,11 @@ def add_AclnnServicer_to_server(servicer, server):
                     servicer.KeepAlive,
                     request_deserializer=aclnn_dot_v1_dot_aclnn__pb2.Empty.FromString,
                     response_serializer=aclnn_dot_v1_dot_aclnn__pb2.Empty.SerializeToString,
+            ),
+            'OpenDataChannel': grpc.unary_unary_rpc_method_handler(
+                    servicer.OpenDataChannel,
+                    request_deserializer=aclnn_dot_v1_dot_aclnn__pb2.Empty.FromString,
+                    response_serializer=aclnn_dot_v1_dot_aclnn__pb2.DataChannelTicket.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -569,6 +586,33 @@ class Aclnn:
             '/aclnn.v1.Aclnn/KeepAlive',
             aclnn_dot_v1_dot_aclnn__pb2.Empty.SerializeToString,
             aclnn_dot_v1_dot_aclnn__pb2.Empty.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OpenDataChannel(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/aclnn.v1.Aclnn/OpenDataChannel',
+            aclnn_dot_v1_dot_aclnn__pb2.Empty.SerializeToString,
+            aclnn_dot_v1_dot_aclnn__pb2.DataChannelTicket.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,50 +1,35 @@
-"""The aclnn.v1.Aclnn gRPC service: thin methods over the Engine; errors, metrics and logs in one place."""
+"""The aclnn.v1.Aclnn gRPC service: thin methods over AclnnService, plus the server around them."""
 
 from __future__ import annotations
 
-import functools
 import itertools
-import logging
 import secrets
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator
 from concurrent import futures
 from typing import Any
 
 import grpc
-import numpy as np
-from google.protobuf import any_pb2, duration_pb2
-from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from grpc_status import rpc_status
 
 from aclnn_client._proto import aclnn_pb2 as pb
 from aclnn_client._proto import aclnn_pb2_grpc as pb_grpc
-from aclnn_client.errors import AclnnError, Status, invalid_error
+from aclnn_client.errors import invalid_error
 from aclnn_client.transfer import to_chunks
 
-from ..admission import CallAbandoned
 from ..config import ServerOptions
-from ..descriptors import MAX_COUNT
 from ..engine import CallContext, Engine
-from ..executors import CapacityError
 from ..metrics import Metrics
 from ..params import check
 from ..storage import Storage
 from .auth import TokenAuthInterceptor, caller_identity, read_tokens
-from .wire import decode_params, output_tensor
-
-log = logging.getLogger("aclnn_server")
+from .data_channel import DataChannelServer
+from .service import AclnnService, failure_status
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Aclnn"].full_name
-_GRPC_CODES = {
-    Status.PARAM_NULLPTR: code_pb2.INVALID_ARGUMENT,
-    Status.PARAM_INVALID: code_pb2.INVALID_ARGUMENT,
-    Status.RUNTIME_ERROR: code_pb2.UNAVAILABLE,
-}
-_RETRY_AFTER = duration_pb2.Duration(nanos=100_000_000)
 
 
 class _Status(grpc.Status):
@@ -57,25 +42,7 @@ def with_request_id(status: grpc.Status, request_id: str) -> grpc.Status:
     return _Status(status.code, status.details, (*status.trailing_metadata, ("x-request-id", request_id)))
 
 
-def to_grpc_status(error: AclnnError) -> grpc.Status:
-    """google.rpc.Status with an ErrorInfo(domain "aclnn", reason, metadata status/param)."""
-    info = error_details_pb2.ErrorInfo(
-        domain="aclnn", reason=error.reason, metadata={"status": str(error.code), "param": error.param}
-    )
-    details = [info]
-    if isinstance(error, CapacityError):
-        code = code_pb2.RESOURCE_EXHAUSTED
-        details.append(error_details_pb2.RetryInfo(retry_delay=_RETRY_AFTER))
-    else:
-        code = _GRPC_CODES.get(error.code, code_pb2.INTERNAL)
-    packed = []
-    for detail in details:
-        packed.append(any_pb2.Any())
-        packed[-1].Pack(detail)
-    return rpc_status.to_status(status_pb2.Status(code=code, message=error.message, details=packed))
-
-
-def _stream_id(text: str | None) -> int | None:
+def stream_id(text: str | None) -> int | None:
     if text is None:
         return None
     try:
@@ -84,17 +51,41 @@ def _stream_id(text: str | None) -> int | None:
         raise invalid_error("stream", f"x-aclnn-stream must be an integer, got {text!r:.40}") from None
 
 
-def _message_size(message: Any, streamed: int) -> int:
-    """A message's size; streamed calls (iterators) report the bytes they moved instead."""
-    return message.ByteSize() if hasattr(message, "ByteSize") else streamed
+class _ChunkUpload:
+    """An UploadTensor stream: chunks in order and without gaps, adding up to the announced size."""
+
+    def __init__(self, chunks: Iterator[pb.TensorChunk]) -> None:
+        self.chunks = chunks
+        self.first: pb.TensorChunk | None = None
+
+    @property
+    def total_size(self) -> int:
+        """The size the first chunk announces (read here, so that a refusal is the service's)."""
+        if self.first is None:
+            self.first = next(self.chunks, None)
+            if self.first is None:
+                raise invalid_error("chunk", "an upload needs at least one chunk")
+        return self.first.total_size
+
+    def read_into(self, buffer: memoryview) -> None:
+        total, received = self.total_size, 0
+        for chunk in itertools.chain([self.first], self.chunks):
+            data = chunk.data
+            expected = f"chunk at offset {chunk.offset} arrived where {received} was expected"
+            check(chunk.offset == received, "chunk", expected)
+            check(received + len(data) <= total, "chunk", f"chunks carry more than the {total} bytes announced")
+            buffer[received : received + len(data)] = data
+            received += len(data)
+        check(received == total, "chunk", f"upload truncated: {received} of {total} bytes arrived")
 
 
-def _rpc(method: Callable[..., Any]) -> Callable[..., Any]:
-    """Runs one servicer method: its CallContext, error mapping, metrics and access log."""
-    name = method.__name__
+class AclnnServicer(pb_grpc.AclnnServicer):
+    """Each RPC: its CallContext from the gRPC context, then AclnnService; failures abort with their status."""
 
-    @functools.wraps(method)
-    def handler(self: AclnnServicer, request: Any, context: grpc.ServicerContext) -> Any:
+    def __init__(self, service: AclnnService) -> None:
+        self.service = service
+
+    def _serve(self, name: str, request: Any, context: grpc.ServicerContext) -> Any:
         metadata = dict(context.invocation_metadata())
         request_id = metadata.get("x-request-id") or secrets.token_hex(8)
         context.set_trailing_metadata((("x-request-id", request_id),))
@@ -105,193 +96,53 @@ def _rpc(method: Callable[..., Any]) -> Callable[..., Any]:
             deadline=None if remaining is None else time.monotonic() + remaining,
             cancelled=lambda: not context.is_active(),
         )
-        started, status, reply = time.perf_counter(), "ACLNN_SUCCESS", None
-        self.metrics.in_flight.inc()
         try:
-            call.stream = _stream_id(metadata.get("x-aclnn-stream"))
-            self.storage.touch(call.session, call.owner)
-            reply = method(self, request, call)
-            return reply
-        except AclnnError as error:
-            status = error.reason
-            context.abort_with_status(with_request_id(to_grpc_status(error), request_id))
-        except CallAbandoned as abandoned:
-            status = abandoned.reason.upper()
-            code = grpc.StatusCode.DEADLINE_EXCEEDED if abandoned.reason == "deadline" else grpc.StatusCode.CANCELLED
-            context.abort(code, str(abandoned))
+            call.stream = stream_id(metadata.get("x-aclnn-stream"))
+            return self.service.invoke(name, request, call, request_id)
         except Exception as exc:
-            log.exception("request_id=%s method=%s failed", request_id, name)
-            status = Status.INNER.reason
-            internal = to_grpc_status(AclnnError(Status.INNER, f"internal error: {exc}"))
-            context.abort_with_status(with_request_id(internal, request_id))
-        finally:
-            self.metrics.in_flight.dec()
-            total = time.perf_counter() - started
-            phases = {"queue": call.queue_s, "validation": call.validation_s, "compute": call.compute_s}
-            phases["transfer"] = max(0.0, total - sum(phases.values()))
-            sizes = (_message_size(request, call.bytes_in), _message_size(reply, call.bytes_out))
-            self.metrics.observe(name, call.op, status, phases, sizes)
-            log.info(
-                "request_id=%s method=%s op=%s status=%s ms=%.3f queue_ms=%.3f validation_ms=%.3f compute_ms=%.3f "
-                "bytes_in=%d bytes_out=%d",
-                request_id,
-                name,
-                call.op or "-",
-                status,
-                total * 1e3,
-                call.queue_s * 1e3,
-                call.validation_s * 1e3,
-                call.compute_s * 1e3,
-                *sizes,
-            )
+            status = rpc_status.to_status(failure_status(exc)[0])
+            context.abort_with_status(with_request_id(status, request_id))
 
-    return handler
+    def GetWorkspaceSize(self, request: pb.OpCall, context: grpc.ServicerContext) -> pb.WorkspacePlan:
+        return self._serve("GetWorkspaceSize", request, context)
 
+    def Execute(self, request: pb.ExecuteRequest, context: grpc.ServicerContext) -> pb.ExecuteResponse:
+        return self._serve("Execute", request, context)
 
-class AclnnServicer(pb_grpc.AclnnServicer):
-    def __init__(self, engine: Engine, metrics: Metrics, storage: Storage) -> None:
-        self.engine = engine
-        self.metrics = metrics
-        self.storage = storage
+    def Run(self, request: pb.OpCall, context: grpc.ServicerContext) -> pb.RunResponse:
+        return self._serve("Run", request, context)
 
-    @_rpc
-    def GetWorkspaceSize(self, request: pb.OpCall, call: CallContext) -> pb.WorkspacePlan:
-        values = decode_params(request.params, lambda ref: self._stored(ref, call))
-        size, executor = self.engine.get_workspace_size(request.op, values, call)
-        return pb.WorkspacePlan(workspace_size=size, executor=executor)
+    def SetExecutorRepeatable(self, request: pb.ExecutorRef, context: grpc.ServicerContext) -> pb.Empty:
+        return self._serve("SetExecutorRepeatable", request, context)
 
-    @_rpc
-    def Execute(self, request: pb.ExecuteRequest, call: CallContext) -> pb.ExecuteResponse:
-        inputs: dict[str, Any] = dict(request.inputs)
-        inputs.update({name: self._stored(ref, call) for name, ref in request.input_refs.items()})
-        call.placed = frozenset(request.placements)
-        outputs = self.engine.execute(request.executor, inputs, call)
-        return pb.ExecuteResponse(outputs=self._place(outputs, request.placements, call))
+    def DestroyExecutor(self, request: pb.ExecutorRef, context: grpc.ServicerContext) -> pb.Empty:
+        return self._serve("DestroyExecutor", request, context)
 
-    @_rpc
-    def Run(self, request: pb.OpCall, call: CallContext) -> pb.RunResponse:
-        values = decode_params(request.params, lambda ref: self._stored(ref, call))
-        call.placed = frozenset(request.placements)
-        size, outputs = self.engine.run(request.op, values, call)
-        return pb.RunResponse(workspace_size=size, outputs=self._place(outputs, request.placements, call))
+    def ListOperators(self, request: pb.Empty, context: grpc.ServicerContext) -> pb.OperatorList:
+        return self._serve("ListOperators", request, context)
 
-    def _stored(self, ref: pb.StorageRef, call: CallContext) -> memoryview:
-        """The bytes a StorageRef names: an uploaded tensor, or a slice of a shared-memory region."""
-        kind = ref.WhichOneof("kind")
-        if kind == "handle":
-            return self.storage.handle(call.session, call.owner, ref.handle)
-        if kind == "region":
-            r = ref.region
-            return self.storage.region_slice(call.session, call.owner, r.region, r.offset, r.size)
-        raise invalid_error("ref", "names neither a tensor handle nor a region")
+    def UploadTensor(
+        self, request_iterator: Iterator[pb.TensorChunk], context: grpc.ServicerContext
+    ) -> pb.TensorHandle:
+        return self._serve("UploadTensor", _ChunkUpload(request_iterator), context)
 
-    def _place(
-        self, outputs: dict[str, np.ndarray], placements: Mapping[str, pb.OutputPlacement], call: CallContext
-    ) -> dict[str, pb.OutputTensor]:
-        """Results inline, kept on the server, or written into regions: all checked before any is written."""
-        targets: dict[str, memoryview] = {}
-        for name, placement in placements.items():
-            if name not in outputs:
-                continue  # a masked-off output: nothing to place
-            if placement.WhichOneof("kind") == "region":
-                r = placement.region
-                check(
-                    r.size == outputs[name].nbytes,
-                    name,
-                    f"region slice of {r.size} bytes for a {outputs[name].nbytes}-byte result",
-                )
-                targets[name] = self.storage.region_slice(call.session, call.owner, r.region, r.offset, r.size)
-        encoded = {}
-        for name, array in outputs.items():
-            flat = array.reshape(-1).view(np.uint8)
-            if name in targets:
-                np.frombuffer(targets[name], np.uint8)[:] = flat
-                encoded[name] = output_tensor(array, inline=False)
-            elif name in placements and placements[name].keep_on_server:
-                handle = self.storage.add_handle(call.session, call.owner, memoryview(flat), reserved=False)
-                encoded[name] = output_tensor(array, inline=False, handle=handle)
-            else:
-                encoded[name] = output_tensor(array)
-        return encoded
+    def DownloadTensor(self, request: pb.TensorHandle, context: grpc.ServicerContext) -> Iterator[pb.TensorChunk]:
+        return to_chunks(self._serve("DownloadTensor", request, context))
 
-    @_rpc
-    def UploadTensor(self, request_iterator: Iterator[pb.TensorChunk], call: CallContext) -> pb.TensorHandle:
-        """Chunks in order and without gaps, adding up to the announced size; anything else is refused."""
-        first = next(request_iterator, None)
-        if first is None:
-            raise invalid_error("chunk", "an upload needs at least one chunk")
-        total = first.total_size
-        check(total <= MAX_COUNT, "chunk", f"total_size {total} is too large")
-        buffer = self.storage.reserve(call.session, call.owner, total)
-        try:
-            received = 0
-            for chunk in itertools.chain([first], request_iterator):
-                data = chunk.data
-                check(
-                    chunk.offset == received,
-                    "chunk",
-                    f"chunk at offset {chunk.offset} arrived where {received} was expected",
-                )
-                check(received + len(data) <= total, "chunk", f"chunks carry more than the {total} bytes announced")
-                buffer[received : received + len(data)] = data
-                received += len(data)
-            check(received == total, "chunk", f"upload truncated: {received} of {total} bytes arrived")
-            handle = self.storage.add_handle(call.session, call.owner, memoryview(buffer), reserved=True)
-        except BaseException:
-            self.storage.release(total)
-            raise
-        call.bytes_in = total
-        return pb.TensorHandle(handle=handle, size=total)
+    def FreeTensor(self, request: pb.TensorHandle, context: grpc.ServicerContext) -> pb.Empty:
+        return self._serve("FreeTensor", request, context)
 
-    @_rpc
-    def DownloadTensor(self, request: pb.TensorHandle, call: CallContext) -> Iterator[pb.TensorChunk]:
-        buffer = self.storage.handle(call.session, call.owner, request.handle)
-        call.bytes_out = buffer.nbytes
-        return to_chunks(buffer)
+    def RegisterRegion(self, request: pb.RegisterRegionRequest, context: grpc.ServicerContext) -> pb.Empty:
+        return self._serve("RegisterRegion", request, context)
 
-    @_rpc
-    def FreeTensor(self, request: pb.TensorHandle, call: CallContext) -> pb.Empty:
-        self.storage.free_handle(call.session, call.owner, request.handle)
-        return pb.Empty()
+    def UnregisterRegion(self, request: pb.RegisterRegionRequest, context: grpc.ServicerContext) -> pb.Empty:
+        return self._serve("UnregisterRegion", request, context)
 
-    @_rpc
-    def RegisterRegion(self, request: pb.RegisterRegionRequest, call: CallContext) -> pb.Empty:
-        self.storage.register_region(call.session, call.owner, request.region, request.size)
-        return pb.Empty()
+    def KeepAlive(self, request: pb.Empty, context: grpc.ServicerContext) -> pb.Empty:
+        return self._serve("KeepAlive", request, context)
 
-    @_rpc
-    def UnregisterRegion(self, request: pb.RegisterRegionRequest, call: CallContext) -> pb.Empty:
-        self.storage.unregister_region(call.session, call.owner, request.region)
-        return pb.Empty()
-
-    @_rpc
-    def KeepAlive(self, request: pb.Empty, call: CallContext) -> pb.Empty:
-        return pb.Empty()  # the call itself renewed the session's lease
-
-    @_rpc
-    def SetExecutorRepeatable(self, request: pb.ExecutorRef, call: CallContext) -> pb.Empty:
-        self.engine.set_executor_repeatable(request.executor, call)
-        return pb.Empty()
-
-    @_rpc
-    def DestroyExecutor(self, request: pb.ExecutorRef, call: CallContext) -> pb.Empty:
-        self.engine.destroy_executor(request.executor, call)
-        return pb.Empty()
-
-    @_rpc
-    def ListOperators(self, request: pb.Empty, call: CallContext) -> pb.OperatorList:
-        return pb.OperatorList(
-            operators=[
-                pb.OperatorInfo(
-                    name=name,
-                    params=[
-                        pb.ParamInfo(name=p.name, kind=p.kind.value, output=p.output, optional=p.optional)
-                        for p in op.signature.params
-                    ],
-                )
-                for name, op in sorted(self.engine.operators.items())
-            ]
-        )
+    def OpenDataChannel(self, request: pb.Empty, context: grpc.ServicerContext) -> pb.DataChannelTicket:
+        return self._serve("OpenDataChannel", request, context)
 
 
 def bind_address(host: str, port: int) -> str:
@@ -324,7 +175,8 @@ class AclnnServer:
                 ("grpc.so_reuseport", 0),
             ],
         )
-        pb_grpc.add_AclnnServicer_to_server(AclnnServicer(engine, self.metrics, self.storage), self.grpc)
+        self.service = AclnnService(engine, self.metrics, self.storage)
+        pb_grpc.add_AclnnServicer_to_server(AclnnServicer(self.service), self.grpc)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
@@ -340,11 +192,19 @@ class AclnnServer:
             self.port = self.grpc.add_secure_port(address, credentials)
         else:
             self.port = self.grpc.add_insecure_port(address)
+        # Plaintext only: the data channel has no TLS of its own.
+        self.data_channel = (
+            DataChannelServer(self.service, options.host, options.data_port, 2 * workers, options.max_message_bytes)
+            if options.tls_cert is None and options.data_port >= 0
+            else None
+        )
         self.metrics_port: int | None = None
         self._stopping = threading.Event()
 
     def start(self) -> None:
         self.grpc.start()
+        if self.data_channel is not None:
+            self.data_channel.start()
         if self.options.metrics_port:
             self.metrics_port = self.metrics.serve(self.options.host, self.options.metrics_port)
         for service in ("", SERVICE_NAME):
@@ -358,18 +218,25 @@ class AclnnServer:
             self.storage.reap()
 
     def stop(self, grace: float | None) -> threading.Event:
-        """Reports NOT_SERVING, refuses new calls, lets in-flight ones finish within `grace` seconds."""
+        """Reports NOT_SERVING, refuses new calls, lets in-flight ones finish within `grace` seconds.
+
+        The event is set once both transports have stopped and the backend is released.
+        """
         self.health.enter_graceful_shutdown()
         self._stopping.set()
-        stopped = self.grpc.stop(grace)
+        grpc_stopped = self.grpc.stop(grace)
+        stopped = threading.Event()
 
         def release() -> None:
-            stopped.wait()
+            if self.data_channel is not None:
+                self.data_channel.stop(grace)
+            grpc_stopped.wait()
             self.metrics.close()
             self.storage.close()
             close = getattr(self.engine.backend, "close", None)
             if close is not None:
                 close()
+            stopped.set()
 
         threading.Thread(target=release, name="aclnn-release", daemon=True).start()
         return stopped

@@ -11,50 +11,41 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from ._jit import ROW_BLOCK
+from ._jit import ROW_BLOCK, load
 
 LANES = 64  # fp32 accumulators per block: ROW_BLOCK / LANES = 16 terms each
 
 
 @numba.njit(inline="always")
-def row_sum(a, n, acc):
-    """Σ a[:n] in fp64; `acc` is LANES fp32 of scratch."""
-    total = 0.0
+def row_sums(a, b, kind, shift, scale, n, acc_a, acc_ab):
+    """(Σ a, Σ a·(b − shift)·scale) over a[:n], b[:n] in fp64, elements widened by `load`.
+
+    Both sums come from one read of the rows (fp32 products, as the kernels' outputs use
+    them); `acc_a` and `acc_ab` are LANES fp32 each of scratch.
+    """
+    total_a = 0.0
+    total_ab = 0.0
     for j0 in range(0, n, ROW_BLOCK):
         j1 = min(j0 + ROW_BLOCK, n)
-        acc[:] = 0
-        j = j0
-        while j + LANES <= j1:
-            aj = a[j : j + LANES]
-            for lane in range(LANES):
-                acc[lane] += aj[lane]
-            j += LANES
-        aj = a[j:j1]
-        for lane in range(j1 - j):
-            acc[lane] += aj[lane]
-        for lane in range(LANES):
-            total += np.float64(acc[lane])
-    return total
-
-
-@numba.njit(inline="always")
-def row_dot(a, b, n, acc):
-    """Σ a[:n]·b[:n] (fp32 products) in fp64; `acc` is LANES fp32 of scratch."""
-    total = 0.0
-    for j0 in range(0, n, ROW_BLOCK):
-        j1 = min(j0 + ROW_BLOCK, n)
-        acc[:] = 0
+        acc_a[:] = 0
+        acc_ab[:] = 0
         j = j0
         while j + LANES <= j1:
             aj = a[j : j + LANES]
             bj = b[j : j + LANES]
             for lane in range(LANES):
-                acc[lane] += aj[lane] * bj[lane]
+                av = load(aj[lane], kind)
+                acc_a[lane] += av
+                acc_ab[lane] += av * ((load(bj[lane], kind) - shift) * scale)
             j += LANES
         aj = a[j:j1]
         bj = b[j:j1]
         for lane in range(j1 - j):
-            acc[lane] += aj[lane] * bj[lane]
+            av = load(aj[lane], kind)
+            acc_a[lane] += av
+            acc_ab[lane] += av * ((load(bj[lane], kind) - shift) * scale)
         for lane in range(LANES):
-            total += np.float64(acc[lane])
-    return total
+            total_a += np.float64(acc_a[lane])
+        for lane in range(LANES):
+            total_ab += np.float64(acc_ab[lane])
+    return total_a, total_ab

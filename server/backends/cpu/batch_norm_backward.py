@@ -1,10 +1,11 @@
 """aclnnBatchNormBackward (SPEC §5) on the [L, C, T] view around the channel axis.
 
-One parallel task per channel: it reads the channel's L rows of T elements (widened in
-registers), sums Σg and Σg·x̂ in fp32 lanes per ROW_BLOCK and fp64 beyond (a fixed order per
-channel, so any thread count gives the same bits), then — while the channel is still in
-cache — writes its gradInput in the output dtype. Channel-last tensors (T = 1) and views
-whose dims do not merge into [L, C, T] run on the operator's NumPy reference (`handles`).
+One parallel task per channel: it reads the channel's L rows of T elements once, widening in
+registers, and sums Σg and Σg·x̂ in fp32 lanes per ROW_BLOCK and fp64 beyond (`row_sums`: a
+fixed order per channel, so any thread count gives the same bits), then — while the channel
+is still in cache — writes its gradInput in the output dtype. Channel-last tensors (T = 1)
+and views whose dims do not merge into [L, C, T] run on the operator's NumPy reference
+(`handles`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from numba import prange, types
 
 from ...registry import Plan
 from ._jit import F32, FLOAT_DTYPES, STORAGE, array, flat, gather_len, kernel_view, lazy_njit, load, narrow, probe, row
-from ._reduce import LANES, row_dot, row_sum
+from ._reduce import LANES, row_sums
 
 
 def _signatures():
@@ -46,9 +47,8 @@ def channels_kernel(gb, gs, xb, xs, kind, shape, mu, s, w, dx, out_kind, sum_g, 
     n_l, n_c, n_t = shape
     count = n_l * n_t
     for c in prange(n_c):
-        g32 = np.empty(n_t, np.float32)
-        xh = np.empty(n_t, np.float32)
-        acc = np.empty(LANES, np.float32)
+        acc_g = np.empty(LANES, np.float32)
+        acc_gx = np.empty(LANES, np.float32)
         gbuf = np.empty(gather_len(gs[2], n_t), gb.dtype)
         xbuf = np.empty(gather_len(xs[2], n_t), xb.dtype)
         m = mu[c]
@@ -59,11 +59,9 @@ def channels_kernel(gb, gs, xb, xs, kind, shape, mu, s, w, dx, out_kind, sum_g, 
             for li in range(n_l):
                 gi = row(gb, li * gs[0] + c * gs[1], gs[2], n_t, gbuf)
                 xi = row(xb, li * xs[0] + c * xs[1], xs[2], n_t, xbuf)
-                for j in range(n_t):
-                    g32[j] = load(gi[j], kind)
-                    xh[j] = (load(xi[j], kind) - m) * sc
-                tg += row_sum(g32, n_t, acc)
-                tgx += row_dot(g32, xh, n_t, acc)
+                rg, rgx = row_sums(gi, xi, kind, m, sc, n_t, acc_g, acc_gx)
+                tg += rg
+                tgx += rgx
         sum_g[c] = tg
         sum_gx[c] = tgx
         if want_dx:
@@ -111,7 +109,8 @@ def workspace_size(plan: Plan) -> int:
     if n_l * n_c * n_t == 0:
         return 0
     tasks = min(n_c, numba.config.NUMBA_NUM_THREADS)
-    return tasks * n_t * 4 * 4 + n_c * (3 * 4 + 2 * 8)
+    # Per running task: lane accumulators, and gathered rows (for strided views); per channel: vectors.
+    return tasks * (2 * LANES * 4 + 2 * 4 * n_t) + n_c * (3 * 4 + 2 * 8)
 
 
 def per_channel(t: np.ndarray | None, c: int, default: float) -> np.ndarray:

@@ -18,7 +18,7 @@ from numba import prange, types
 
 from ...registry import Plan
 from ._jit import F32, FLOAT_DTYPES, STORAGE, array, flat, gather_len, kernel_view, lazy_njit, load, narrow, probe, row
-from ._reduce import LANES, row_dot, row_sum
+from ._reduce import LANES, row_sums
 
 MAX_BLOCK_ROWS = 128  # rows per task at most: the fp32 column partials sum this many rows
 MIN_BLOCKS = 32  # tasks per call when there are that many rows (load balance on any thread count)
@@ -69,6 +69,7 @@ def rows_kernel(gb, gs, xb, xs, kind, shape, mean, rstd, w, dx, out_kind, part_g
         gw = np.empty(n, np.float32)
         xh = np.empty(n, np.float32)
         acc = np.empty(LANES, np.float32)
+        acc_dot = np.empty(LANES, np.float32)
         gbuf = np.empty(gather_len(gs[1], n), gb.dtype)
         xbuf = np.empty(gather_len(xs[1], n), xb.dtype)
         pg = part_g[blk]
@@ -94,8 +95,9 @@ def rows_kernel(gb, gs, xb, xs, kind, shape, mean, rstd, w, dx, out_kind, part_g
                     xh[j] = (load(xi[j], kind) - mu) * rs
                     gw[j] = load(gi[j], kind) * w[j]
             if want_dx:
-                c1 = np.float32(row_sum(gw, n, acc) / n)
-                c2 = np.float32(row_dot(gw, xh, n, acc) / n)
+                sum_gw, sum_gwxh = row_sums(gw, xh, F32, np.float32(0), np.float32(1), n, acc, acc_dot)
+                c1 = np.float32(sum_gw / n)
+                c2 = np.float32(sum_gwxh / n)
                 di = dx[i]
                 for j in range(n):
                     di[j] = narrow(rs * (gw[j] - c1 - xh[j] * c2), di, out_kind)

@@ -1,0 +1,250 @@
+"""The aclnn.v1.Aclnn methods, independent of the transport that carries them.
+
+gRPC (grpc_server.py) and the data channel (data_channel.py) decode a request, build
+its CallContext and call `AclnnService.invoke`; the metrics, the access log and the
+mapping of every failure to a google.rpc.Status happen here, once for both.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
+
+import numpy as np
+from google.protobuf import any_pb2, duration_pb2
+from google.rpc import code_pb2, error_details_pb2, status_pb2
+
+from aclnn_client._proto import aclnn_pb2 as pb
+from aclnn_client.errors import AclnnError, Status, invalid_error
+
+from ..admission import CallAbandoned
+from ..descriptors import MAX_COUNT
+from ..engine import CallContext, Engine
+from ..executors import CapacityError
+from ..metrics import Metrics
+from ..params import check
+from ..storage import Storage
+from .wire import decode_params, output_tensor
+
+log = logging.getLogger("aclnn_server")
+
+_GRPC_CODES = {
+    Status.PARAM_NULLPTR: code_pb2.INVALID_ARGUMENT,
+    Status.PARAM_INVALID: code_pb2.INVALID_ARGUMENT,
+    Status.RUNTIME_ERROR: code_pb2.UNAVAILABLE,
+}
+_RETRY_AFTER = duration_pb2.Duration(nanos=100_000_000)
+
+
+def error_status(error: AclnnError) -> status_pb2.Status:
+    """google.rpc.Status with an ErrorInfo(domain "aclnn", reason, metadata status/param)."""
+    info = error_details_pb2.ErrorInfo(
+        domain="aclnn", reason=error.reason, metadata={"status": str(error.code), "param": error.param}
+    )
+    details = [info]
+    if isinstance(error, CapacityError):
+        code = code_pb2.RESOURCE_EXHAUSTED
+        details.append(error_details_pb2.RetryInfo(retry_delay=_RETRY_AFTER))
+    else:
+        code = _GRPC_CODES.get(error.code, code_pb2.INTERNAL)
+    packed = []
+    for detail in details:
+        packed.append(any_pb2.Any())
+        packed[-1].Pack(detail)
+    return status_pb2.Status(code=code, message=error.message, details=packed)
+
+
+def failure_status(exc: Exception) -> tuple[status_pb2.Status, str]:
+    """The status a failed call answers with, and its name for metrics and the access log."""
+    if isinstance(exc, AclnnError):
+        return error_status(exc), exc.reason
+    if isinstance(exc, CallAbandoned):
+        code = code_pb2.DEADLINE_EXCEEDED if exc.reason == "deadline" else code_pb2.CANCELLED
+        return status_pb2.Status(code=code, message=str(exc)), exc.reason.upper()
+    return error_status(AclnnError(Status.INNER, f"internal error: {exc}")), Status.INNER.reason
+
+
+class Upload(Protocol):
+    """An upload's bytes as a transport delivers them."""
+
+    total_size: int
+
+    def read_into(self, buffer: memoryview) -> None:
+        """Fills all of `buffer` or raises (161002 on `chunk`) when the bytes are truncated or out of order."""
+
+
+def _message_size(message: Any, streamed: int) -> int:
+    """A message's size; streamed calls (iterators, raw bytes) report the bytes they moved instead."""
+    return message.ByteSize() if hasattr(message, "ByteSize") else streamed
+
+
+class AclnnService:
+    """The service's methods over the engine and storage; each takes (request, CallContext)."""
+
+    def __init__(self, engine: Engine, metrics: Metrics, storage: Storage) -> None:
+        self.engine = engine
+        self.metrics = metrics
+        self.storage = storage
+        # The data channel sets this: OpenDataChannel issues its tickets.
+        self.issue_ticket: Callable[[CallContext], tuple[int, bytes]] | None = None
+
+    def invoke(self, name: str, request: Any, call: CallContext, request_id: str) -> Any:
+        """Runs method `name`, recording its metrics and access-log line; failures propagate."""
+        started, status, reply = time.perf_counter(), "ACLNN_SUCCESS", None
+        self.metrics.in_flight.inc()
+        try:
+            self.storage.touch(call.session, call.owner)
+            reply = getattr(self, name)(request, call)
+            return reply
+        except Exception as exc:
+            status = failure_status(exc)[1]
+            if not isinstance(exc, AclnnError | CallAbandoned):
+                log.exception("request_id=%s method=%s failed", request_id, name)
+            raise
+        finally:
+            self.metrics.in_flight.dec()
+            total = time.perf_counter() - started
+            phases = {"queue": call.queue_s, "validation": call.validation_s, "compute": call.compute_s}
+            phases["transfer"] = max(0.0, total - sum(phases.values()))
+            sizes = (_message_size(request, call.bytes_in), _message_size(reply, call.bytes_out))
+            self.metrics.observe(name, call.op, status, phases, sizes)
+            if log.isEnabledFor(logging.INFO):
+                log.info(
+                    "request_id=%s method=%s op=%s status=%s ms=%.3f queue_ms=%.3f validation_ms=%.3f "
+                    "compute_ms=%.3f bytes_in=%d bytes_out=%d",
+                    request_id,
+                    name,
+                    call.op or "-",
+                    status,
+                    total * 1e3,
+                    call.queue_s * 1e3,
+                    call.validation_s * 1e3,
+                    call.compute_s * 1e3,
+                    *sizes,
+                )
+
+    # Calls --------------------------------------------------------------------------------
+
+    def GetWorkspaceSize(self, request: pb.OpCall, call: CallContext) -> pb.WorkspacePlan:
+        values = decode_params(request.params, lambda ref: self._stored(ref, call))
+        size, executor = self.engine.get_workspace_size(request.op, values, call)
+        return pb.WorkspacePlan(workspace_size=size, executor=executor)
+
+    def Execute(self, request: pb.ExecuteRequest, call: CallContext) -> pb.ExecuteResponse:
+        inputs: dict[str, Any] = dict(request.inputs)
+        inputs.update({name: self._stored(ref, call) for name, ref in request.input_refs.items()})
+        call.placed = frozenset(request.placements)
+        outputs = self.engine.execute(request.executor, inputs, call)
+        return pb.ExecuteResponse(outputs=self._place(outputs, request.placements, call))
+
+    def Run(self, request: pb.OpCall, call: CallContext) -> pb.RunResponse:
+        values = decode_params(request.params, lambda ref: self._stored(ref, call))
+        call.placed = frozenset(request.placements)
+        size, outputs = self.engine.run(request.op, values, call)
+        return pb.RunResponse(workspace_size=size, outputs=self._place(outputs, request.placements, call))
+
+    def SetExecutorRepeatable(self, request: pb.ExecutorRef, call: CallContext) -> pb.Empty:
+        self.engine.set_executor_repeatable(request.executor, call)
+        return pb.Empty()
+
+    def DestroyExecutor(self, request: pb.ExecutorRef, call: CallContext) -> pb.Empty:
+        self.engine.destroy_executor(request.executor, call)
+        return pb.Empty()
+
+    def ListOperators(self, request: pb.Empty, call: CallContext) -> pb.OperatorList:
+        return pb.OperatorList(
+            operators=[
+                pb.OperatorInfo(
+                    name=name,
+                    params=[
+                        pb.ParamInfo(name=p.name, kind=p.kind.value, output=p.output, optional=p.optional)
+                        for p in op.signature.params
+                    ],
+                )
+                for name, op in sorted(self.engine.operators.items())
+            ]
+        )
+
+    def _stored(self, ref: pb.StorageRef, call: CallContext) -> memoryview:
+        """The bytes a StorageRef names: an uploaded tensor, or a slice of a shared-memory region."""
+        kind = ref.WhichOneof("kind")
+        if kind == "handle":
+            return self.storage.handle(call.session, call.owner, ref.handle)
+        if kind == "region":
+            r = ref.region
+            return self.storage.region_slice(call.session, call.owner, r.region, r.offset, r.size)
+        raise invalid_error("ref", "names neither a tensor handle nor a region")
+
+    def _place(
+        self, outputs: dict[str, np.ndarray], placements: Mapping[str, pb.OutputPlacement], call: CallContext
+    ) -> dict[str, pb.OutputTensor]:
+        """Results inline, kept on the server, or written into regions: all checked before any is written."""
+        targets: dict[str, memoryview] = {}
+        for name, placement in placements.items():
+            if name not in outputs:
+                continue  # a masked-off output: nothing to place
+            if placement.WhichOneof("kind") == "region":
+                r = placement.region
+                check(
+                    r.size == outputs[name].nbytes,
+                    name,
+                    f"region slice of {r.size} bytes for a {outputs[name].nbytes}-byte result",
+                )
+                targets[name] = self.storage.region_slice(call.session, call.owner, r.region, r.offset, r.size)
+        encoded = {}
+        for name, array in outputs.items():
+            flat = array.reshape(-1).view(np.uint8)
+            if name in targets:
+                np.frombuffer(targets[name], np.uint8)[:] = flat
+                encoded[name] = output_tensor(array, inline=False)
+            elif name in placements and placements[name].keep_on_server:
+                handle = self.storage.add_handle(call.session, call.owner, memoryview(flat), reserved=False)
+                encoded[name] = output_tensor(array, inline=False, handle=handle)
+            else:
+                encoded[name] = output_tensor(array)
+        return encoded
+
+    # Bytes outside messages ---------------------------------------------------------------
+
+    def UploadTensor(self, upload: Upload, call: CallContext) -> pb.TensorHandle:
+        """Stores an upload as a handle once all its bytes arrived; a failed one stores nothing."""
+        total = upload.total_size
+        check(0 <= total <= MAX_COUNT, "chunk", f"total_size {total} is too large")
+        buffer = self.storage.reserve(call.session, call.owner, total)
+        try:
+            upload.read_into(buffer)
+            handle = self.storage.add_handle(call.session, call.owner, buffer, reserved=True)
+        except BaseException:
+            self.storage.release(total)
+            raise
+        call.bytes_in = total
+        return pb.TensorHandle(handle=handle, size=total)
+
+    def DownloadTensor(self, request: pb.TensorHandle, call: CallContext) -> memoryview:
+        """A handle's bytes; the transport sends them (in chunks, or raw)."""
+        buffer = self.storage.handle(call.session, call.owner, request.handle)
+        call.bytes_out = buffer.nbytes
+        return buffer
+
+    def FreeTensor(self, request: pb.TensorHandle, call: CallContext) -> pb.Empty:
+        self.storage.free_handle(call.session, call.owner, request.handle)
+        return pb.Empty()
+
+    def RegisterRegion(self, request: pb.RegisterRegionRequest, call: CallContext) -> pb.Empty:
+        self.storage.register_region(call.session, call.owner, request.region, request.size)
+        return pb.Empty()
+
+    def UnregisterRegion(self, request: pb.RegisterRegionRequest, call: CallContext) -> pb.Empty:
+        self.storage.unregister_region(call.session, call.owner, request.region)
+        return pb.Empty()
+
+    def KeepAlive(self, request: pb.Empty, call: CallContext) -> pb.Empty:
+        return pb.Empty()  # invoke renewed the session's lease
+
+    def OpenDataChannel(self, request: pb.Empty, call: CallContext) -> pb.DataChannelTicket:
+        if self.issue_ticket is None:
+            return pb.DataChannelTicket(port=0)
+        port, ticket = self.issue_ticket(call)
+        return pb.DataChannelTicket(port=port, ticket=ticket)
