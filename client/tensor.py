@@ -80,5 +80,9 @@ def tensor_from_array(array: np.ndarray) -> Tensor:
     data_type = data_type_of(array.dtype)
     strides = tuple(s // itemsize for s in array.strides)
     span = 0 if array.size == 0 else 1 + sum((d - 1) * s for d, s in zip(array.shape, strides))
-    storage = as_strided(array, shape=(span,), strides=(itemsize,), writeable=False)
+    if array.flags.c_contiguous:  # the common case, and cheaper than as_strided
+        storage = array.reshape(-1)[:span]
+        storage.flags.writeable = False
+    else:
+        storage = as_strided(array, shape=(span,), strides=(itemsize,), writeable=False)
     return Tensor(array.shape, data_type, strides, 0, Format.ND, (span,), storage)

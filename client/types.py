@@ -78,14 +78,13 @@ NUMPY_DTYPES: dict[DataType, np.dtype] = {
 }
 
 _DATA_TYPES_BY_DTYPE = {dtype: data_type for data_type, dtype in NUMPY_DTYPES.items()}
+# Keyed by plain int too: this lookup is on every call's hot path, an Enum construction is not cheap.
+_NUMPY_DTYPES_BY_VALUE = {int(data_type): dtype for data_type, dtype in NUMPY_DTYPES.items()}
 
 
 def numpy_dtype(data_type: int) -> np.dtype | None:
     """The NumPy dtype of an aclDataType value, or None for an unknown value."""
-    try:
-        return NUMPY_DTYPES[DataType(data_type)]
-    except ValueError:
-        return None
+    return _NUMPY_DTYPES_BY_VALUE.get(data_type) if type(data_type) is not bool else None
 
 
 def data_type_of(dtype: np.dtype) -> DataType:

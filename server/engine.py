@@ -2,20 +2,22 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import dataclasses
 import logging
 import os
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Hashable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from aclnn_client.errors import AclnnError, Status, invalid_error
-from aclnn_client.tensor import Value
+from aclnn_client.tensor import BoolArray, IntArray, Tensor, Value
 
 from .admission import Admission
 from .backends import Backend, create_backend
@@ -79,6 +81,7 @@ class Engine:
         self.admission = Admission(max_concurrency, max_queue, self.memory_budget_bytes)
         self._streams: weakref.WeakValueDictionary[tuple, _StreamLock] = weakref.WeakValueDictionary()
         self._streams_lock = threading.Lock()
+        self._plans = PlanCache()
 
     @property
     def operators(self) -> Mapping[str, Operator]:
@@ -152,8 +155,23 @@ class Engine:
         return lock
 
     def _plan(self, op: str, values: Mapping[str, Value], call: CallContext) -> tuple[Operator, Plan, int]:
+        """The error table's verdict (cached per descriptors), then the backend's workspace for it."""
         started = time.perf_counter()
         call.op = op
+        key = plan_key(op, values)
+        validated = self._plans.get(key) if key is not None else None
+        if validated is None:
+            validated = self._validate(op, values)
+            if key is not None:
+                self._plans.put(key, validated)
+        operator, plan = validated
+        workspace_size = self.backend.workspace_size(operator, plan)
+        self._check_budget(plan, workspace_size)
+        call.validation_s += time.perf_counter() - started
+        return operator, plan, workspace_size
+
+    @staticmethod
+    def _validate(op: str, values: Mapping[str, Value]) -> tuple[Operator, Plan]:
         operator = OPERATORS.get(op)
         if operator is None:
             raise invalid_error("op", f"unknown operator {op!r}; this server has {', '.join(sorted(OPERATORS))}")
@@ -161,11 +179,7 @@ class Engine:
         if unknown:
             raise invalid_error(unknown[0], f"{op} has no parameter named {unknown[0]!r}")
         tensors = operator.signature.checked_tensors(values)
-        plan = operator.validate(CallParams(operator.signature, values, tensors))
-        workspace_size = self.backend.workspace_size(operator, plan)
-        self._check_budget(plan, workspace_size)
-        call.validation_s += time.perf_counter() - started
-        return operator, plan, workspace_size
+        return operator, operator.validate(CallParams(operator.signature, values, tensors))
 
     def _check_budget(self, plan: Plan, workspace_size: int) -> None:
         """A call may not claim more memory than the budget: no allocation sized by a client's whim."""
@@ -224,6 +238,58 @@ class Engine:
         finally:
             call.compute_s += time.perf_counter() - started
         return outputs
+
+
+def _value_key(value: Value) -> Hashable:
+    """What validation reads of a value: a tensor's descriptor (not its bytes), typed scalars."""
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, Tensor):
+        return (value.data_type, value.format, value.view_dims, value.strides, value.offset, value.storage_dims)
+    if isinstance(value, float):
+        return ("float", value.hex())
+    if isinstance(value, bool | int | IntArray | BoolArray):
+        return (type(value).__name__, value)
+    raise TypeError(type(value))
+
+
+def plan_key(op: str, values: Mapping[str, Value]) -> Hashable | None:
+    """The cache key of a call's plan; None when a value is of no kind validation knows (never cached)."""
+    try:
+        key = (op, frozenset((name, _value_key(v)) for name, v in values.items()))
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+class PlanCache:
+    """Validated plans of recent calls, keyed by descriptors and scalars: validation is a pure function of them.
+
+    Repeated calls of one shape (the common case: a training step) skip the error
+    table; only successful plans are kept, so every bad call is still checked in full.
+    """
+
+    def __init__(self, capacity: int = 1024) -> None:
+        self.capacity = capacity
+        self._plans: collections.OrderedDict[Hashable, tuple[Operator, Plan]] = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key: Hashable) -> tuple[Operator, Plan] | None:
+        """A copy of the cached plan: a backend may key state on the plan object (the NPU's executors),
+        which must live as long as the call's executor, not as long as the cache."""
+        with self._lock:
+            validated = self._plans.get(key)
+            if validated is None:
+                return None
+            self._plans.move_to_end(key)
+        return validated[0], dataclasses.replace(validated[1])
+
+    def put(self, key: Hashable, validated: tuple[Operator, Plan]) -> None:
+        with self._lock:
+            self._plans[key] = validated[0], dataclasses.replace(validated[1])
+            if len(self._plans) > self.capacity:
+                self._plans.popitem(last=False)
 
 
 class _StreamLock:

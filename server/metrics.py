@@ -31,15 +31,29 @@ class Metrics:
         self.in_flight = Gauge("aclnn_in_flight_calls", "RPCs being handled", registry=self.registry)
         live = Gauge("aclnn_live_executors", "Executors alive on this server", registry=self.registry)
         live.set_function(live_executors)
+        self.data_connections = Gauge(
+            "aclnn_data_channel_connections", "Open data-channel connections", registry=self.registry
+        )
         self._http = None
+        # The labelled children of each (method, op, status): `labels()` is too slow for every call.
+        self._children: dict[tuple[str, str, str], tuple] = {}
 
     def observe(self, method: str, op: str, status: str, phases: dict[str, float], sizes: tuple[int, int]) -> None:
-        self.requests.labels(method, op, status).inc()
-        for phase in _PHASES:
+        children = self._children.get((method, op, status))
+        if children is None:
+            children = self._children[method, op, status] = (
+                self.requests.labels(method, op, status),
+                {phase: self.seconds.labels(method, op, phase) for phase in _PHASES},
+                self.bytes_in.labels(method),
+                self.bytes_out.labels(method),
+            )
+        requests, seconds, bytes_in, bytes_out = children
+        requests.inc()
+        for phase, histogram in seconds.items():
             if phases.get(phase):
-                self.seconds.labels(method, op, phase).observe(phases[phase])
-        self.bytes_in.labels(method).inc(sizes[0])
-        self.bytes_out.labels(method).inc(sizes[1])
+                histogram.observe(phases[phase])
+        bytes_in.inc(sizes[0])
+        bytes_out.inc(sizes[1])
 
     def serve(self, host: str, port: int) -> int:
         """Serves /metrics over HTTP; returns the bound port."""

@@ -42,7 +42,7 @@ def test_large_tensors_stream_in_chunks_and_are_freed(serve, rng, phase):
     p = layer_norm_call(rng, (512, 1024))  # 2 MiB per tensor, above a 1 MiB inline limit
     wide = np.full((512, 2048), -7.25, np.float32)
     p["gradInputOut"] = wide[:, ::2]  # a strided output view, filled chunk by chunk
-    with Client(address, max_inline_bytes=MIB) as c:
+    with Client(address, max_inline_bytes=MIB, data_channel=False) as c:
         if phase == "run":
             c.run(OP, **p)
         else:
@@ -223,8 +223,9 @@ def test_same_stream_runs_in_submission_order(serve, transport):
 
 
 @pytest.mark.slow
-def test_tensors_above_2_gib_round_trip(serve):
-    """A 2.1 GiB input goes up in chunks and a 2.1 GiB result comes back in chunks (about 9 GiB of RAM)."""
+@pytest.mark.parametrize("data_channel", [True, False], ids=["data-channel", "grpc-chunks"])
+def test_tensors_above_2_gib_round_trip(serve, data_channel):
+    """A 2.1 GiB input goes up and a 2.1 GiB result comes back (about 9 GiB of RAM)."""
     address, _, _ = serve(max_message_bytes=64 * MIB)
     rows, n = 540_000, 1024  # 2.06 GiB of fp32
     rng = np.random.default_rng(7)
@@ -236,7 +237,7 @@ def test_tensors_above_2_gib_round_trip(serve):
     rstd = (1 / (scale * base.astype(np.float64).std())).astype(np.float32)
     dx = np.empty((rows, n), np.float32)
     db = np.empty(n, np.float32)
-    with Client(address, max_inline_bytes=64 * MIB) as c:
+    with Client(address, max_inline_bytes=64 * MIB, data_channel=data_channel) as c:
         c.run(
             OP,
             gradOut=g,

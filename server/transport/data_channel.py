@@ -98,6 +98,11 @@ class DataChannelServer:
             self._tickets[ticket] = (call.owner, call.session, now + _TICKET_TTL_S)
         return self.port, ticket
 
+    @property
+    def open_connections(self) -> int:
+        with self._lock:
+            return len(self._connections)
+
     def start(self) -> None:
         threading.Thread(target=self._accept, name="aclnn-data-accept", daemon=True).start()
 

@@ -198,6 +198,8 @@ class AclnnServer:
             if options.tls_cert is None and options.data_port >= 0
             else None
         )
+        if self.data_channel is not None:
+            self.metrics.data_connections.set_function(lambda: self.data_channel.open_connections)
         self.metrics_port: int | None = None
         self._stopping = threading.Event()
 
