@@ -18,9 +18,10 @@ WORKDIR /home/aclnn
 # or ACLNN_INSECURE=true.
 ENV ACLNN_HOST=0.0.0.0 \
     ACLNN_PORT=50051 \
+    ACLNN_DATA_PORT=50052 \
     ACLNN_METRICS_PORT=9090 \
     NUMBA_CACHE_DIR=/home/aclnn/.cache/numba \
     PYTHONUNBUFFERED=1
-EXPOSE 50051 9090
+EXPOSE 50051 50052 9090
 HEALTHCHECK --interval=15s --timeout=5s --start-period=60s CMD ["python", "-m", "aclnn_server.healthcheck"]
 ENTRYPOINT ["aclnn-serve"]

@@ -106,7 +106,7 @@ def main() -> int:
         for label, kwargs in [
             ("aclnn-serve default (data channel)", {}),
             ("aclnn-serve gRPC unary", dict(data_channel=False, max_inline_bytes=2**31)),
-            ("aclnn-serve gRPC streaming (4 MiB chunks)", dict(data_channel=False, max_inline_bytes=1 << 20)),
+            ("aclnn-serve gRPC streaming (1 MiB chunks)", dict(data_channel=False, max_inline_bytes=1 << 20)),
             ("aclnn-serve shared memory", dict(shared_memory=True)),
         ]:
             with Client(address, **kwargs) as c:

@@ -11,8 +11,9 @@ import numpy as np
 
 from ._proto import aclnn_pb2 as pb
 
-# Upload/download chunk size: 4 MiB, chosen, not yet tuned by measurement (see bench/transport.py).
-CHUNK_BYTES = 4 << 20
+# gRPC upload/download chunk size, from bench/chunks.py on loopback (2 cores): 1-2 MiB moved the
+# most (~0.9-1.5 GB/s each way); 16 MiB half as much. The data channel needs no chunks.
+CHUNK_BYTES = 1 << 20
 
 
 def byte_view(data: object) -> memoryview:
@@ -22,12 +23,12 @@ def byte_view(data: object) -> memoryview:
     return memoryview(data).cast("B")
 
 
-def to_chunks(data: memoryview, chunk_bytes: int = CHUNK_BYTES) -> Iterator[pb.TensorChunk]:
+def to_chunks(data: memoryview, chunk_bytes: int | None = None) -> Iterator[pb.TensorChunk]:
     """The bytes as in-order TensorChunks (one empty chunk for no bytes); one chunk is copied at a time.
 
-    Uploads (client) and downloads (server) both stream this way.
+    Uploads (client) and downloads (server) both stream this way, in CHUNK_BYTES by default.
     """
-    total = data.nbytes
+    total, chunk_bytes = data.nbytes, chunk_bytes or CHUNK_BYTES
     for offset in range(0, max(total, 1), chunk_bytes):
         yield pb.TensorChunk(total_size=total, offset=offset, data=bytes(data[offset : offset + chunk_bytes]))
 
