@@ -7,6 +7,7 @@ sized by an unchecked number.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -35,7 +36,8 @@ class TensorDesc:
     offset: int
     storage_size: int  # elements
 
-    @property
+    # Cached: the engine and backends read these many times per call (the dataclass is frozen).
+    @functools.cached_property
     def dtype(self) -> np.dtype:
         return numpy_dtype(self.data_type)
 
@@ -43,7 +45,7 @@ class TensorDesc:
     def rank(self) -> int:
         return len(self.shape)
 
-    @property
+    @functools.cached_property
     def numel(self) -> int:
         return math.prod(self.shape)
 
