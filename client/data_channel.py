@@ -69,9 +69,10 @@ def recv_into(sock: socket.socket, view: memoryview) -> None:
         received += count
 
 
-def recv_exact(sock: socket.socket, size: int) -> bytearray:
-    buffer = bytearray(size)
-    recv_into(sock, memoryview(buffer))
+def recv_exact(sock: socket.socket, size: int) -> memoryview:
+    """`size` bytes from the socket; memory is committed as they arrive, so a claimed size costs nothing."""
+    buffer = memoryview(np.empty(size, np.uint8))
+    recv_into(sock, buffer)
     return buffer
 
 
@@ -91,17 +92,26 @@ class DataChannel:
     """Pooled connections to one server's data channel; one exchange per connection at a time."""
 
     def __init__(
-        self, host: str, port: int, ticket: bytes, open_ticket: Callable[[], bytes], connect_timeout: float = 5.0
+        self,
+        host: str,
+        port: int,
+        ticket: bytes,
+        open_ticket: Callable[[], bytes],
+        max_connections: int = 32,
+        connect_timeout: float = 5.0,
     ) -> None:
         self.host, self.port = host, port
         self._ticket, self._open_ticket = ticket, open_ticket
         self._connect_timeout = connect_timeout
         self._idle: list[socket.socket] = []
+        # More threads than connections wait for one: the server serves a bounded number anyway.
+        self._slots = threading.BoundedSemaphore(max_connections)
         self._lock = threading.Lock()
+        self._closed = False
 
     def close(self) -> None:
         with self._lock:
-            idle, self._idle = self._idle, []
+            idle, self._idle, self._closed = self._idle, [], True
         for sock in idle:
             sock.close()
 
@@ -146,6 +156,14 @@ class DataChannel:
     @contextlib.contextmanager
     def _connection(self, timeout: float | None) -> Iterator[socket.socket]:
         """A pooled connection for one exchange: back to the pool if it stayed in step, else closed."""
+        if not self._slots.acquire(timeout=-1 if timeout is None else timeout):
+            raise _lost("no free connection before the deadline", grpc.StatusCode.DEADLINE_EXCEEDED)
+        try:
+            yield from self._exchange(timeout)
+        finally:
+            self._slots.release()
+
+    def _exchange(self, timeout: float | None) -> Iterator[socket.socket]:
         try:
             sock = self._checkout()
         except OSError as exc:
@@ -175,7 +193,10 @@ class DataChannel:
 
     def _checkin(self, sock: socket.socket) -> None:
         with self._lock:
-            self._idle.append(sock)
+            if not self._closed:
+                self._idle.append(sock)
+                return
+        sock.close()
 
     def _connect(self) -> socket.socket:
         """A new connection, admitted by the current ticket (by a fresh one once that expired)."""
@@ -203,7 +224,7 @@ class DataChannel:
             raise decode_status(status_pb2.Status.FromString(recv_exact(sock, length)))
         return length
 
-    def _reply(self, sock: socket.socket) -> bytearray:
+    def _reply(self, sock: socket.socket) -> memoryview:
         return recv_exact(sock, self._reply_header(sock))
 
 
