@@ -109,16 +109,17 @@ class DataChannelServer:
     def stop(self, grace: float | None) -> None:
         """Stops accepting; idle connections close now, busy ones after their current request.
 
-        Returns once every connection closed, or after `grace` seconds.
+        Returns once every connection closed, or after `grace` seconds; `grace=None` (as
+        grpc.Server.stop) closes busy connections at once too.
         """
         with self._lock:
             self._stopping = True
-            idle = [sock for sock, is_idle in self._connections.items() if is_idle]
+            closing = [sock for sock, idle in self._connections.items() if idle or grace is None]
         self._listener.close()
-        for sock in idle:
+        for sock in closing:
             _shutdown(sock)
-        deadline = None if grace is None else time.monotonic() + grace
-        while self._connections and (deadline is None or time.monotonic() < deadline):
+        deadline = time.monotonic() + (grace or 0)
+        while self.open_connections and time.monotonic() < deadline:
             time.sleep(0.02)
 
     def _accept(self) -> None:
