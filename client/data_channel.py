@@ -1,4 +1,4 @@
-"""The data channel: tensor bytes and unary calls over a plain TCP connection beside gRPC.
+"""The data channel: tensor bytes and unary calls over a TCP connection beside gRPC (TLS when gRPC has it).
 
 gRPC in Python copies every message several times and frames it in HTTP/2; a large
 tensor moves at well under 1 GB/s that way, a small call pays ~0.5 ms. The data channel
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import socket
+import ssl
 import struct
 import threading
 from collections.abc import Callable, Iterator
@@ -97,10 +98,11 @@ class DataChannel:
         port: int,
         ticket: bytes,
         open_ticket: Callable[[], bytes],
+        tls: ssl.SSLContext | None = None,
         max_connections: int = 32,
         connect_timeout: float = 5.0,
     ) -> None:
-        self.host, self.port = host, port
+        self.host, self.port, self.tls = host, port, tls
         self._ticket, self._open_ticket = ticket, open_ticket
         self._connect_timeout = connect_timeout
         self._idle: list[socket.socket] = []
@@ -204,6 +206,8 @@ class DataChannel:
             sock = socket.create_connection((self.host, self.port), timeout=self._connect_timeout)
             try:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                if self.tls is not None:
+                    sock = self.tls.wrap_socket(sock, server_hostname=self.host)
                 sock.sendall(MAGIC + self._ticket)
                 self._reply(sock)
                 return sock

@@ -6,8 +6,11 @@ import itertools
 import json
 import logging
 import math
+import os
 import secrets
 import socket
+import ssl
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -183,10 +186,10 @@ class Client(BaseClient):
     Tensors larger than `max_inline_bytes` are streamed in chunks and referenced by handle,
     so they may exceed gRPC's message limits (2 GiB included). With `shared_memory=True`,
     tensor bytes go through POSIX shared memory when the server shares this host (through
-    messages otherwise). With `data_channel=True` (the default) and a plaintext server, calls
-    and tensor bytes go over the server's data channel, a plain TCP connection beside gRPC
-    that moves bytes without protobuf copies (gRPC when the server offers none, or it cannot
-    be reached).
+    messages otherwise). With `data_channel=True` (the default), calls and tensor bytes go
+    over the server's data channel, a TCP connection beside gRPC (with the same TLS) that
+    moves bytes without protobuf copies; gRPC when the server offers none, or it cannot be
+    reached.
     """
 
     def __init__(
@@ -224,11 +227,12 @@ class Client(BaseClient):
             for a in addresses
         ]
         self._stubs = [pb_grpc.AclnnStub(c) for c in self._channels]
-        # Per replica: its data channel, None (gRPC only), absent until first needed. Not under TLS.
+        # Per replica: its data channel, None (gRPC only), absent until first needed.
         self._addresses = addresses
-        self._data_channels: dict[int, DataChannel | None] = (
-            {} if data_channel and not secure else dict.fromkeys(range(len(addresses)))
-        )
+        self._data_channels: dict[int, DataChannel | None] = {}
+        if not data_channel:
+            self._data_channels = dict.fromkeys(range(len(addresses)))
+        self._data_tls = tls_context(root_certificates, private_key, certificate_chain) if secure else None
         self._data_lock = threading.Lock()
         self._down_until = [0.0] * len(addresses)
         self._turn = itertools.count()
@@ -429,7 +433,11 @@ class Client(BaseClient):
             log.warning("data channel %s:%d unreachable (%s): using gRPC only", host, offer.port, exc)
             return None
         return DataChannel(
-            host, offer.port, offer.ticket, lambda: self._call_grpc(replica, "OpenDataChannel", pb.Empty()).ticket
+            host,
+            offer.port,
+            offer.ticket,
+            lambda: self._call_grpc(replica, "OpenDataChannel", pb.Empty()).ticket,
+            tls=self._data_tls,
         )
 
     def _forget_data_channel(self, replica: int) -> None:
@@ -476,6 +484,22 @@ class Client(BaseClient):
 
         self._keepalive = threading.Thread(target=renew, name="aclnn-keepalive", daemon=True)
         self._keepalive.start()
+
+
+def tls_context(
+    root_certificates: bytes | None, private_key: bytes | None, certificate_chain: bytes | None
+) -> ssl.SSLContext:
+    """The data channel's TLS, from the same PEM bytes as the gRPC channel's (the system roots without any)."""
+    context = ssl.create_default_context(cadata=root_certificates.decode() if root_certificates else None)
+    if private_key and certificate_chain:
+        # ssl loads a client certificate only from files: they live for this call, readable by us alone.
+        with tempfile.TemporaryDirectory() as directory:
+            paths = [os.path.join(directory, name) for name in ("chain.pem", "key.pem")]
+            for path, pem in zip(paths, (certificate_chain, private_key)):
+                with open(os.open(path, os.O_WRONLY | os.O_CREAT, 0o600), "wb") as f:
+                    f.write(pem)
+            context.load_cert_chain(*paths)
+    return context
 
 
 def data_channel_host(address: str) -> str | None:

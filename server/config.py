@@ -40,7 +40,7 @@ class ServerOptions(BaseSettings):
         0,
         ge=-1,
         le=65535,
-        description="data channel port (raw TCP beside gRPC for tensor bytes and fast calls; not with TLS); "
+        description="data channel port (TCP beside gRPC for tensor bytes and fast calls, with the same TLS); "
         "0 picks a free one, -1 = off",
     )
     metrics_port: int = Field(0, ge=0, le=65535, description="Prometheus /metrics port; 0 = off")

@@ -1,4 +1,4 @@
-"""The data channel: calls and tensor bytes over a plain TCP connection beside gRPC, on a real server."""
+"""The data channel: calls and tensor bytes over a TCP connection beside gRPC (with its TLS), on a real server."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import time
 import grpc
 import numpy as np
 import pytest
+from certs import make_certificates
 from google.rpc import status_pb2
 from layer_norm_cases import layer_norm_call, layer_norm_reference
 from oracle import Untouched, assert_close
@@ -198,7 +199,7 @@ def test_protocol_violations_close_the_connection(serve):
                 assert sock.recv(1) == b""
 
 
-def test_no_data_channel_under_tls_or_when_off(serve, rng):
+def test_no_data_channel_when_off(serve, rng):
     served = serve(data_port=-1)
     assert served.server.data_channel is None
     assert ticket(served.address).port == 0
@@ -206,6 +207,35 @@ def test_no_data_channel_under_tls_or_when_off(serve, rng):
     with Client(served.address) as c:
         c.run(OP, **p)  # over gRPC
     check(p)
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory):
+    return make_certificates(tmp_path_factory.mktemp("certs"))
+
+
+@pytest.mark.parametrize("mutual", [False, True], ids=["tls", "mutual-tls"])
+def test_data_channel_has_the_grpc_ports_tls(serve, certs, rng, mutual):
+    tls = dict(tls_cert=certs.path("server.pem"), tls_key=certs.path("server.key"))
+    identity = {}
+    if mutual:
+        tls["tls_client_ca"] = certs.path("ca.pem")
+        identity = dict(private_key=certs.client.key, certificate_chain=certs.client.cert)
+    served = serve(**tls)
+    p = layer_norm_call(rng, (512, 1024))  # large tensors: uploads and downloads over TLS too
+    with Client(served.address, root_certificates=certs.ca.cert, max_inline_bytes=MIB, **identity) as c:
+        c.run(OP, **p)
+        assert served.server.data_channel.open_connections == 1
+    check(p)
+    # Plaintext on the TLS port is never admitted: at most a TLS alert record, then the close.
+    with socket.create_connection(("127.0.0.1", served.server.data_channel.port), timeout=10) as sock:
+        sock.sendall(MAGIC + b"\0" * 16)
+        try:
+            answer = sock.recv(64)
+        except ConnectionResetError:
+            answer = b""
+        assert answer == b"" or answer[0] == 0x15  # 0x15: a TLS alert
+    wait_for_idle(served)
 
 
 def test_unreachable_data_channel_falls_back_to_grpc(serve, rng, caplog):

@@ -1,10 +1,10 @@
 """The server side of the data channel (protocol: aclnn_client/data_channel.py).
 
-A plain TCP listener beside the gRPC port. A connection is admitted by a ticket that
+A TCP listener beside the gRPC port. A connection is admitted by a ticket that
 the OpenDataChannel RPC issued (valid for a minute, for any number of connections), so
 it carries that caller's identity and session (gRPC authenticated it); every request
-then runs through AclnnService like an RPC. One thread serves one connection. It is offered only when gRPC is plaintext:
-without TLS of its own it must not undercut a TLS deployment.
+then runs through AclnnService like an RPC. One thread serves one connection. When the
+gRPC port has TLS (or mutual TLS), so does this one, from the same files.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import secrets
 import socket
+import ssl
 import threading
 import time
 from typing import Any
@@ -73,8 +74,17 @@ class _SocketUpload:
 class DataChannelServer:
     """Listens on `host:port` (0: a free port) and serves admitted connections."""
 
-    def __init__(self, service: AclnnService, host: str, port: int, max_connections: int, max_message_bytes: int):
+    def __init__(
+        self,
+        service: AclnnService,
+        host: str,
+        port: int,
+        max_connections: int,
+        max_message_bytes: int,
+        tls: ssl.SSLContext | None = None,
+    ) -> None:
         self.service = service
+        self.tls = tls
         self.max_connections = max_connections
         self.max_message_bytes = max_message_bytes
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -133,10 +143,13 @@ class DataChannelServer:
     def _serve(self, sock: socket.socket) -> None:
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if self.tls is not None:
+                sock.settimeout(_STALL_S)
+                sock = self.tls.wrap_socket(sock, server_side=True)
             owner, session = self._admit(sock)
             while self._idle(sock, True):
-                header = sock.recv(REQUEST.size, socket.MSG_WAITALL)
-                if len(header) < REQUEST.size:
+                header = _next_header(sock)
+                if header is None:
                     break  # the client closed the connection (or stop() did)
                 self._idle(sock, False)
                 sock.settimeout(_STALL_S)
@@ -234,6 +247,14 @@ class DataChannelServer:
     def _fail(sock: socket.socket, status: status_pb2.Status) -> None:
         message = status.SerializeToString()
         send(sock, REPLY.pack(0, len(message)), message)
+
+
+def _next_header(sock: socket.socket) -> bytes | None:
+    """The next request header; None when the connection closes between requests."""
+    first = sock.recv(REQUEST.size)
+    if not first:
+        return None
+    return first + bytes(recv_exact(sock, REQUEST.size - len(first)))
 
 
 def _ok(payload: bytes) -> tuple[bytes, bytes]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import secrets
+import ssl
 import threading
 import time
 from collections.abc import Iterator
@@ -153,6 +154,16 @@ def _read(path: Any) -> bytes | None:
     return None if path is None else open(path, "rb").read()
 
 
+def _ssl_context(options: ServerOptions) -> ssl.SSLContext:
+    """The data channel's TLS, from the gRPC port's files (mutual when a client CA is given)."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(options.tls_cert, options.tls_key)
+    if options.tls_client_ca is not None:
+        context.verify_mode = ssl.CERT_REQUIRED
+        context.load_verify_locations(options.tls_client_ca)
+    return context
+
+
 class AclnnServer:
     """The gRPC server with its health, reflection and metrics services; start() and stop() like grpc.Server."""
 
@@ -192,10 +203,16 @@ class AclnnServer:
             self.port = self.grpc.add_secure_port(address, credentials)
         else:
             self.port = self.grpc.add_insecure_port(address)
-        # Plaintext only: the data channel has no TLS of its own.
         self.data_channel = (
-            DataChannelServer(self.service, options.host, options.data_port, 2 * workers, options.max_message_bytes)
-            if options.tls_cert is None and options.data_port >= 0
+            DataChannelServer(
+                self.service,
+                options.host,
+                options.data_port,
+                2 * workers,
+                options.max_message_bytes,
+                tls=_ssl_context(options) if options.tls_cert is not None else None,
+            )
+            if options.data_port >= 0
             else None
         )
         if self.data_channel is not None:
