@@ -17,6 +17,7 @@ outputs included). See bench/README.md.
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import math
 import statistics
@@ -30,10 +31,12 @@ import ml_dtypes
 import numpy as np
 import torch
 
+from aclnn_client import DataType, Format, create_tensor
 from aclnn_server import LocalClient
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 DTYPES = {"fp32": np.dtype(np.float32), "fp16": np.dtype(np.float16), "bf16": BF16}
+DATA_TYPES = {np.dtype(np.float32): DataType.FLOAT, np.dtype(np.float16): DataType.FLOAT16, BF16: DataType.BF16}
 TORCH_DTYPES = {np.dtype(np.float32): torch.float32, np.dtype(np.float16): torch.float16, BF16: torch.bfloat16}
 BACKENDS = ("numpy", "cpu")
 
@@ -98,7 +101,9 @@ def layer_norm_grad_case(rng, shape, dtype) -> Case:
     return Case("LayerNormGrad", shape, p, run)
 
 
-def batch_norm_case(rng, shape, dtype) -> Case:
+def batch_norm_case(rng, shape, dtype, channels_last: bool = False) -> Case:
+    """`shape` is NCHW; channels_last stores the tensors NHWC (format tag NHWC; for PyTorch the
+    same memory as a channels_last NCHW view)."""
     c = shape[1]
     x = rng.standard_normal(shape, np.float32)
     g = rng.standard_normal(shape, np.float32).astype(dtype)
@@ -106,13 +111,25 @@ def batch_norm_case(rng, shape, dtype) -> Case:
     mean, invstd = x.mean(axes), 1 / np.sqrt(x.var(axes) + 1e-5)
     x = x.astype(dtype)
     w = rng.uniform(0.5, 1.5, c).astype(np.float32)
+    dx = np.empty(shape, dtype)
+    t_g, t_x = tt(g), tt(x)
+    if channels_last:
+        g, x, dx = (np.ascontiguousarray(np.moveaxis(a, 1, -1)) for a in (g, x, dx))
+        t_g, t_x = (tt(a).permute(0, 3, 1, 2) for a in (g, x))
+        g, x, dx = (nhwc(a) for a in (g, x, dx))
     p = dict(
         gradOut=g, input=x, weight=w, runningMean=None, runningVar=None, saveMean=mean, saveInvstd=invstd,
-        training=True, eps=1e-5, outputMask=[True, True, True], gradInput=np.empty(shape, dtype),
+        training=True, eps=1e-5, outputMask=[True, True, True], gradInput=dx,
         gradWeight=np.empty(c, np.float32), gradBias=np.empty(c, np.float32),
     )  # fmt: skip
-    args = (tt(g), tt(x), tt(w), None, None, tt(mean), tt(invstd), True, 1e-5, [True, True, True])
+    args = (t_g, t_x, tt(w), None, None, tt(mean), tt(invstd), True, 1e-5, [True, True, True])
     return Case("aclnnBatchNormBackward", shape, p, lambda: torch.ops.aten.native_batch_norm_backward(*args))
+
+
+def nhwc(a: np.ndarray) -> Any:
+    """A C-contiguous NHWC array as a tensor tagged NHWC (as an output, results land in `a`)."""
+    return create_tensor(a.shape, DATA_TYPES[a.dtype], [s // a.itemsize for s in a.strides], 0, Format.NHWC,
+                         [a.size], a.reshape(-1))  # fmt: skip
 
 
 def elemt_case(rng, shape, dtype) -> Case:
@@ -147,6 +164,7 @@ OPERATORS = [
     ("aclnnLayerNormBackward", layer_norm_case, LN_SHAPES),
     ("LayerNormGrad", layer_norm_grad_case, LN_SHAPES),
     ("aclnnBatchNormBackward", batch_norm_case, BN_SHAPES),
+    ("aclnnBatchNormBackward NHWC", functools.partial(batch_norm_case, channels_last=True), BN_SHAPES),
     ("aclnnBatchNormElemtBackward", elemt_case, BN_SHAPES),
 ]
 
@@ -213,8 +231,8 @@ def main(argv: list[str] | None = None) -> int:
     print("| operator | shape | dtype | " + " | ".join(cols) + " |")
     print("|" + "---|" * (3 + len(cols)))
     rng = np.random.default_rng(0)
-    for op, make, shapes in OPERATORS:
-        if args.ops and op not in args.ops:
+    for label, make, shapes in OPERATORS:
+        if args.ops and label.split()[0] not in args.ops:
             continue
         for size in sizes:
             for dname, dtype in DTYPES.items():
@@ -225,13 +243,13 @@ def main(argv: list[str] | None = None) -> int:
                 fns["torch"] = case.torch_fn
                 ms = {k: timed(fn, budget, min_reps, max_reps) * 1e3 for k, fn in fns.items()}
                 peaks = {k: peak_extra_mib(fn) for k, fn in fns.items()}
-                ws, executor = clients["cpu"].get_workspace_size(op, **case.params)
+                ws, executor = clients["cpu"].get_workspace_size(case.op, **case.params)
                 clients["cpu"].destroy_executor(executor)
                 row = [f"{ms[b]:.2f}" for b in (*BACKENDS, "torch")]
                 row += [f"{ms[b] / ms['torch']:.2f}×" for b in BACKENDS]
                 row += [f"{ws / 2**20:.1f}"] + [f"{peaks[k]:.0f}" for k in (*BACKENDS, "torch")]
                 shape = "×".join(map(str, shapes[size]))
-                print(f"| {op} | {shape} ({size}) | {dname} | " + " | ".join(row) + " |", flush=True)
+                print(f"| {label} | {shape} ({size}) | {dname} | " + " | ".join(row) + " |", flush=True)
                 del case, fns
                 gc.collect()
     return 0

@@ -163,6 +163,56 @@ def test_batch_norm_agrees_with_reference(cpu, reference, rng, dtype, training):
         assert_close(p[name], np.asarray(r).reshape(p[name].shape), name)
 
 
+def channel_last_call(rng, shape, dtype, training=True, channel_stride=1) -> tuple[dict, dict]:
+    """A channel-last BatchNorm call (NHWC or NDHWC by rank), its input's channels `channel_stride`
+    apart; (the call, the same call on plain arrays for the reference and the results)."""
+    from batch_norm_cases import DATA_TYPES, bn_call, tagged
+
+    from aclnn_client import Format, create_tensor
+
+    fmt = Format.NHWC if len(shape) == 4 else Format.NDHWC
+    p = bn_call(rng, shape, len(shape) - 1, dtype, "float32", training=training)
+    wide = np.zeros((*shape[:-1], shape[-1] * channel_stride), dtype)
+    wide[..., ::channel_stride] = p["input"]
+    strides = [s // wide.itemsize for s in wide[..., ::channel_stride].strides]
+    x = create_tensor(shape, DATA_TYPES[np.dtype(dtype)], strides, 0, fmt, [wide.size], wide.reshape(-1))
+    q = dict(p, gradOut=tagged(p["gradOut"], fmt), input=x, gradInput=tagged(p["gradInput"], fmt))
+    return q, p
+
+
+BN_OUTPUTS = ("gradInput", "gradWeight", "gradBias")
+
+
+@pytest.mark.parametrize("training", [True, False])
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+def test_channel_last_batch_norm_runs_its_kernel(cpu, rng, caplog, dtype, training):
+    """NHWC with L = 4608 (tasks of more than one fp32 sub-block), NDHWC, and channels at a
+    stride (gathered rows) agree with the float64 reference, without a fallback."""
+    from batch_norm_cases import bn_reference
+
+    with caplog.at_level(logging.INFO, logger="aclnn_server"):
+        for shape, stride in (((2, 48, 48, 5), 1), ((2, 3, 4, 5, 7), 1), ((3, 4, 5, 6), 2)):
+            q, p = channel_last_call(rng, shape, dtype, training, stride)
+            cpu.run("aclnnBatchNormBackward", **q)
+            for name, r in zip(BN_OUTPUTS, bn_reference(p, len(shape) - 1)):
+                assert_close(p[name], np.asarray(r).reshape(p[name].shape), name)
+    assert not [r for r in caplog.records if "aclnnBatchNormBackward runs on the NumPy reference" in r.message]
+
+
+def test_channel_last_batch_norm_bit_identical_across_thread_counts(cpu, rng):
+    q, p = channel_last_call(rng, (3, 40, 50, 6), F16)
+    threads = numba.get_num_threads()
+    try:
+        runs = []
+        for n in (1, numba.config.NUMBA_NUM_THREADS, numba.config.NUMBA_NUM_THREADS):
+            numba.set_num_threads(n)
+            cpu.run("aclnnBatchNormBackward", **q)
+            runs.append([p[name].tobytes() for name in BN_OUTPUTS])
+    finally:
+        numba.set_num_threads(threads)
+    assert runs[0] == runs[1] == runs[2]
+
+
 def test_bf16_outputs_round_to_nearest_even_and_keep_nan(cpu, rng):
     p = ln_case(rng, F32, BF16, shape=(8, 33))
     p["gradOut"][3, 4] = np.nan

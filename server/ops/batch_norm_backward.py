@@ -32,7 +32,7 @@ from ..params import (
     tensor,
 )
 from ..registry import Operator, Plan, plan_from
-from .rows import Tiles, tile_shape, tiles, widened
+from .rows import NUMPY_BUFFER, Tiles, channel_chunks, store, tile_shape, tile_view, widened
 
 PER_CHANNEL = ("weight", "runningMean", "runningVar", "saveMean", "saveInvstd")
 INPUTS = ("gradOut", "input", *PER_CHANNEL)
@@ -125,16 +125,22 @@ def validate(p: CallParams) -> Plan:
 
 
 def per_channel(t: np.ndarray | None, c: int, default: float) -> np.ndarray:
-    return np.full(c, default, np.float32) if t is None else t.reshape(-1).astype(np.float32)
+    return np.full(c, default, np.float32) if t is None else widened(t.reshape(-1))
+
+
+def channel_sums(tile: np.ndarray) -> np.ndarray:
+    """Σ over a tile's [l, ·, t] axes per channel: pairwise in fp32 along t, then fp64 over l."""
+    return tile.sum(axis=2).sum(axis=0, dtype=np.float64)
 
 
 def workspace_size(plan: Plan) -> int:
-    """Five fp32 tile temporaries (two of them gathers of strided inputs) and per-channel vectors."""
+    """Three fp32 tile buffers, a tile of transients (a gathered strided tile, or fp16 widening's
+    masks), NumPy's casting buffers, and per-channel vectors."""
     x = plan.inputs["input"]
     axis = plan.values["channel_axis"]
     shape = (math.prod(x.shape[:axis]), x.shape[axis], math.prod(x.shape[axis + 1 :]))
     tile = math.prod(tile_shape(shape)) if x.numel else 0
-    return 5 * 4 * tile + (2 * 8 + 6 * 4) * shape[1]
+    return 4 * 4 * tile + 2 * 8 * NUMPY_BUFFER + (4 * 8 + 8 * 4) * shape[1]
 
 
 def compute(
@@ -154,7 +160,8 @@ def compute(
     *,
     channel_axis: int,
 ) -> None:
-    """Pass 1 sums Σg and Σg·x̂ per channel in fp64 (when needed); pass 2 writes gradInput by tiles."""
+    """Per channel chunk: pass 1 sums Σg and Σg·x̂ per channel in fp64 (when needed), pass 2
+    writes gradInput by tiles; a chunk that is one tile keeps it widened between the passes."""
     del outputMask  # it gated the outputs
     g, x = Tiles(gradOut, channel_axis), Tiles(input, channel_axis)
     shape = x.shape
@@ -167,36 +174,40 @@ def compute(
         var = np.ones(n_c) if runningVar is None else runningVar.reshape(-1).astype(np.float64)
         with np.errstate(invalid="ignore", divide="ignore"):
             s = (1.0 / np.sqrt(var + eps)).astype(np.float32)
-    sum_g, sum_gxhat = np.zeros(n_c), np.zeros(n_c)
+    sum_g, sum_gxc = np.zeros(n_c), np.zeros(n_c)  # Σg, Σg·(x − μ); x̂ = (x − μ)·s
     need_sums = gradWeight is not None or gradBias is not None or (training and gradInput is not None)
+    scale = w * s
+    out = None if gradInput is None else gradInput.reshape(shape)
+    buffers = np.empty((3, math.prod(tile_shape(shape))), np.float32)  # g, x − μ, a product
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
-        for tile in tiles(shape) if need_sums else ():
-            cs = tile[1]
-            gb = widened(g[tile])
-            xhat = widened(x[tile])
-            xhat -= mu[cs, None]
-            xhat *= s[cs, None]
-            sum_g[cs] += gb.sum(axis=(0, 2), dtype=np.float64)
-            gb *= xhat
-            sum_gxhat[cs] += gb.sum(axis=(0, 2), dtype=np.float64)
-        if gradInput is not None:
-            out = gradInput.reshape(shape)
-            scale = w * s
-            if training and n:
-                mean_g = (sum_g / n).astype(np.float32)
-                mean_gxhat = (sum_gxhat / n).astype(np.float32)
-            for tile in tiles(shape):
-                cs = tile[1]
-                gb = widened(g[tile])
+        for chunk in channel_chunks(shape):
+            cs = chunk[0][1]
+            for tile in chunk if need_sums else ():
+                gb, xc, product = (tile_view(buf, tile) for buf in buffers)
+                widened(g[tile], gb)
+                widened(x[tile], xc)
+                xc -= mu[cs, None]
+                sum_g[cs] += channel_sums(gb)
+                sum_gxc[cs] += channel_sums(np.multiply(gb, xc, out=product))
+            if out is None:
+                continue
+            if training:
+                mean_g = (sum_g[cs] / n).astype(np.float32)
+                slope = (sum_gxc[cs] * s[cs] / n * s[cs]).astype(np.float32)  # mean(g·x̂)·s, per unit of x − μ
+            for tile in chunk:
+                gb, xc, product = (tile_view(buf, tile) for buf in buffers)
+                if len(chunk) > 1 or not need_sums:  # else the buffers still hold this tile
+                    widened(g[tile], gb)
+                    if training:
+                        widened(x[tile], xc)
+                        xc -= mu[cs, None]
                 if training:
-                    xhat = widened(x[tile])
-                    xhat -= mu[cs, None]
-                    xhat *= s[cs, None]
-                    xhat *= mean_gxhat[cs, None]
-                    gb -= mean_g[cs, None]
-                    gb -= xhat
+                    xc *= slope[:, None]  # x̂·mean(g·x̂)
+                    gb -= mean_g[:, None]
+                    gb -= xc
                 gb *= scale[cs, None]
-                out[tile] = gb
+                store(out[tile], gb, product)
+    sum_gxhat = sum_gxc * s
     if gradWeight is not None:
         gradWeight[...] = sum_gxhat
     if gradBias is not None:

@@ -25,7 +25,7 @@ from ..params import (
     tensor,
 )
 from ..registry import Operator, Plan, plan_from
-from .rows import Tiles, tile_shape, tiles, widened
+from .rows import Tiles, store, tile_shape, tiles, widened
 
 REQUIRED = ("gradOut", "input", "mean", "invstd", "sumDy", "sumDyXmu", "counter", "gradInput")
 INPUTS = ("gradOut", "input", "mean", "invstd", "weight", "sumDy", "sumDyXmu", "counter")
@@ -105,7 +105,7 @@ def compute(gradOut, input, mean, invstd, weight, sumDy, sumDyXmu, counter, grad
             gb -= shift[cs, None]
             gb -= xb
             gb *= scale[cs, None]
-            out[tile] = gb
+            store(out[tile], gb)
 
 
 OPERATOR = Operator("aclnnBatchNormElemtBackward", SIGNATURE, validate, workspace_size, compute)

@@ -22,7 +22,7 @@ from ..params import (
     tensor,
 )
 from ..registry import Operator, Plan, plan_from
-from .rows import Rows, block_rows, blocks
+from .rows import NUMPY_BUFFER, Rows, block_rows, blocks, store, widened
 
 INPUTS = ("gradOut", "input", "mean", "rstd", "weightOptional", "biasOptional")
 SIGNATURE = Signature(
@@ -89,11 +89,60 @@ def validate(p: CallParams) -> Plan:
     return plan_from(p, list(INPUTS), outputs, normalizedShape=shape, outputMask=mask)
 
 
+def block_scratch(m: int, n: int, period: int = 1) -> int:
+    """Scratch of `layer_norm_rows`: three fp32 block buffers, a block of transients (a gathered
+    strided block, or fp16 widening's masks), NumPy's casting buffers, per-row means, fp32
+    weight rows, fp64 sums (and a block's), fp32 mean and rstd."""
+    if m * n == 0:
+        return 0
+    rows = min(m, block_rows(n))
+    return 3 * 4 * rows * n + 2 * 8 * NUMPY_BUFFER + 4 * rows * n + (4 + 3 * 8) * period * n + 4 * (2 * m + 2 * rows)
+
+
 def workspace_size(plan: Plan) -> int:
-    """Four fp32 block temporaries, fp64 column sums, and the widened mean and rstd."""
     n = math.prod(plan.values["normalizedShape"])
-    m = plan.inputs["input"].numel // n if n else 0
-    return 4 * 4 * min(m, block_rows(n)) * n + 2 * 8 * n + 2 * 4 * m if m * n else 0
+    return block_scratch(plan.inputs["input"].numel // n if n else 0, n)
+
+
+def layer_norm_rows(
+    g: Rows, x: Rows, mean: np.ndarray, rstd: np.ndarray, w: np.ndarray, dx: np.ndarray | None, want_sums: bool
+) -> np.ndarray | None:
+    """The LayerNorm backward over [M, N] rows in bounded blocks; weight rows repeat every K rows.
+
+    `w` is fp32 [K, N] (row i is scaled by w[i % K]: K = 1 for aclnnLayerNormBackward, more when
+    LayerNormGrad's gamma spans several rows); `mean` and `rstd` are fp32 [M]. Writes `dx` (an
+    [M, N] view) when given. Returns fp64 [2, K, N], Σ g and Σ g·x̂ over the rows i of each
+    i % K, when `want_sums`. Blocks are whole periods of K rows (or lie inside one), seen as
+    [periods, span, N] so that w broadcasts.
+    """
+    k, n = w.shape
+    sums = np.zeros((2, k, n)) if want_sums else None
+    # Three fp32 block buffers, reused by every block.
+    buffers = np.empty((3, min(x.m, block_rows(n)) * n), np.float32)
+    for rows in blocks(x.m, n, k) if n else ():
+        span = min(rows.stop - rows.start, k)
+        first = rows.start % k
+        shape = (-1, span, n)
+        gb, xhat, product = (buf[: (rows.stop - rows.start) * n].reshape(shape) for buf in buffers)
+        rs = rstd[rows].reshape(-1, span, 1)
+        widened(g[rows].reshape(shape), gb)
+        widened(x[rows].reshape(shape), xhat)
+        xhat -= mean[rows].reshape(-1, span, 1)
+        xhat *= rs
+        if sums is not None:
+            sums[0, first : first + span] += gb.sum(axis=0, dtype=np.float64)
+            np.multiply(gb, xhat, out=product)
+            sums[1, first : first + span] += product.sum(axis=0, dtype=np.float64)
+        if dx is not None:
+            gb *= w[first : first + span]  # g·w
+            mean_gw = gb.mean(axis=2, keepdims=True)
+            np.multiply(gb, xhat, out=product)
+            xhat *= product.mean(axis=2, keepdims=True)
+            gb -= mean_gw
+            gb -= xhat
+            gb *= rs
+            store(dx[rows], gb.reshape(-1, n), product.reshape(-1, n))
+    return sums
 
 
 def compute(
@@ -113,28 +162,15 @@ def compute(
     del biasOptional, outputMask  # bias does not enter the gradient; the mask gated the outputs
     lead = input.ndim - len(normalizedShape)
     x, g = Rows(input, lead), Rows(gradOut, lead)
-    m, n = x.m, x.n
-    mu = mean.reshape(-1).astype(np.float32)[:, None]
-    rs = rstd.reshape(-1).astype(np.float32)[:, None]
-    w = np.ones(n, np.float32) if weightOptional is None else weightOptional.reshape(-1).astype(np.float32)
-    dx = gradInputOut.reshape(m, n) if gradInputOut is not None else None
-    sum_gxhat, sum_g = np.zeros(n), np.zeros(n)
-    for rows in blocks(m, n) if n else ():
-        gb = g[rows].astype(np.float32)
-        xhat = (x[rows].astype(np.float32) - mu[rows]) * rs[rows]
-        if dx is not None:
-            gw = gb * w
-            mean_gw = gw.mean(axis=1, keepdims=True)
-            mean_gw_xhat = (gw * xhat).mean(axis=1, keepdims=True)
-            dx[rows] = rs[rows] * (gw - mean_gw - xhat * mean_gw_xhat)
-        if gradWeightOut is not None:
-            sum_gxhat += (gb * xhat).sum(axis=0, dtype=np.float64)
-        if gradBiasOut is not None:
-            sum_g += gb.sum(axis=0, dtype=np.float64)
+    n = x.n
+    w = np.ones(n, np.float32) if weightOptional is None else widened(weightOptional.reshape(-1))
+    dx = gradInputOut.reshape(x.m, n) if gradInputOut is not None else None
+    want_sums = gradWeightOut is not None or gradBiasOut is not None
+    sums = layer_norm_rows(g, x, widened(mean.reshape(-1)), widened(rstd.reshape(-1)), w[None], dx, want_sums)
     if gradWeightOut is not None:
-        gradWeightOut.reshape(-1)[:] = sum_gxhat
+        gradWeightOut.reshape(-1)[:] = sums[1, 0]
     if gradBiasOut is not None:
-        gradBiasOut.reshape(-1)[:] = sum_g
+        gradBiasOut.reshape(-1)[:] = sums[0, 0]
 
 
 OPERATOR = Operator("aclnnLayerNormBackward", SIGNATURE, validate, workspace_size, compute)

@@ -21,6 +21,8 @@ from ..params import (
     tensor,
 )
 from ..registry import Operator, Plan, plan_from
+from .layer_norm_backward import block_scratch, layer_norm_rows
+from .rows import Rows, widened
 
 INPUTS = ("dy", "x", "variance", "mean", "gamma")
 SIGNATURE = Signature(
@@ -98,30 +100,41 @@ def validate(p: CallParams) -> Plan:
     return plan_from(p, list(INPUTS), outputs, output_mask=mask)
 
 
+def gamma_rows(n: int, gamma_size: int) -> int:
+    """The rows of N elements gamma spans: 1 when it covers only normalization axes."""
+    return max(1, gamma_size // n) if n else 1
+
+
 def workspace_size(plan: Plan) -> int:
-    """Six full-size fp32 temporaries (this graph op is computed whole, not in blocks)."""
-    return 6 * 4 * plan.inputs["x"].numel
+    """LayerNormBackward's block scratch, plus the variance widened and gamma before tiling."""
+    x, gamma = plan.inputs["x"], plan.inputs["gamma"]
+    b = normalization_start(x.shape, plan.inputs["mean"].shape)
+    m, n = math.prod(x.shape[:b]), math.prod(x.shape[b:])
+    return block_scratch(m, n, gamma_rows(n, gamma.numel)) + 4 * m + 4 * gamma.numel if m * n else 0
 
 
 def compute(dy, x, variance, mean, gamma, output_mask, pd_x, pd_gamma, pd_beta) -> None:
+    """LayerNormBackward's row blocks, with rstd from variance and gamma tiled to whole rows."""
     del output_mask  # it gated the outputs
-    r, b = x.ndim, normalization_start(x.shape, mean.shape)
-    stats_shape = x.shape[:b] + (1,) * (r - b)
-    rstd = 1.0 / np.sqrt(variance.reshape(stats_shape).astype(np.float32) + np.float32(EPSILON))
-    xhat = (x.astype(np.float32) - mean.reshape(stats_shape).astype(np.float32)) * rstd
-    g = dy.astype(np.float32)
-    if pd_x is not None:
-        norm_axes, n = tuple(range(b, r)), math.prod(x.shape[b:])
-        dyg = g * gamma.astype(np.float32)
+    b = normalization_start(x.shape, mean.shape)
+    rows_x, rows_dy = Rows(x, b), Rows(dy, b)
+    m, n = rows_x.m, rows_x.n
+    if m * n == 0:
+        sums = np.zeros((2, gamma.size))
+    else:
         with np.errstate(invalid="ignore", divide="ignore"):
-            mean_dyg = (dyg.sum(norm_axes, keepdims=True, dtype=np.float64) / n).astype(np.float32)
-            mean_dyg_xhat = ((dyg * xhat).sum(norm_axes, keepdims=True, dtype=np.float64) / n).astype(np.float32)
-        pd_x[...] = rstd * (dyg - mean_dyg - xhat * mean_dyg_xhat)
-    param_axes = tuple(range(r - gamma.ndim))
+            rstd = 1.0 / np.sqrt(widened(variance.reshape(-1)) + np.float32(EPSILON))
+        # Gamma covers the last normalization axes (tiled along the row) or more (it spans K rows).
+        w = np.tile(widened(gamma.reshape(-1)), max(1, n // gamma.size)).reshape(gamma_rows(n, gamma.size), n)
+        dx = None if pd_x is None else pd_x.reshape(m, n)
+        want_sums = pd_gamma is not None or pd_beta is not None
+        sums = layer_norm_rows(rows_dy, rows_x, widened(mean.reshape(-1)), rstd, w, dx, want_sums)
+        if sums is not None:  # fold them onto gamma's positions, in order
+            sums = sums.reshape(2, -1, gamma.size).sum(axis=1)
     if pd_gamma is not None:
-        pd_gamma[...] = (g * xhat).sum(param_axes, dtype=np.float64)
+        pd_gamma.reshape(-1)[:] = sums[1]
     if pd_beta is not None:
-        pd_beta[...] = g.sum(param_axes, dtype=np.float64)
+        pd_beta.reshape(-1)[:] = sums[0]
 
 
 OPERATOR = Operator("LayerNormGrad", SIGNATURE, validate, workspace_size, compute)

@@ -1,7 +1,9 @@
-"""Blocks and tiles: how the NumPy reference walks [M rows × N] and [L, C, T] problems in bounded memory."""
+"""Blocks and tiles: how the NumPy reference walks [M rows × N] and [L, C, T] problems in bounded
+memory, and how a block is widened to fp32 and stored back in its dtype."""
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterator
 
@@ -9,6 +11,8 @@ import numpy as np
 
 # Elements per block: a few fp32 temporaries of this size are the reference's whole scratch.
 BLOCK_ELEMENTS = 1 << 18
+LONG_RUN = 64  # elements: a tile may take whole channels when each row of a channel is this long
+NUMPY_BUFFER = 8192  # elements of NumPy's buffers for ufuncs that cast (np.getbufsize())
 
 
 def block_rows(n: int) -> int:
@@ -16,10 +20,18 @@ def block_rows(n: int) -> int:
     return max(1, BLOCK_ELEMENTS // max(n, 1))
 
 
-def blocks(m: int, n: int) -> Iterator[slice]:
+def blocks(m: int, n: int, period: int = 1) -> Iterator[slice]:
+    """Row blocks in order; each is whole periods of `period` rows, or lies inside one period."""
     step = block_rows(n)
-    for start in range(0, m, step):
-        yield slice(start, min(start + step, m))
+    if step >= period:
+        step -= step % period
+    start = 0
+    while start < m:
+        stop = min(start + step, m)
+        if step < period:
+            stop = min(stop, start - start % period + period)
+        yield slice(start, stop)
+        start = stop
 
 
 class Rows:
@@ -78,9 +90,16 @@ class Tiles:
 
 
 def tile_shape(shape: tuple[int, int, int]) -> tuple[int, int, int]:
-    """Tile extents (l, c, t) of at most about BLOCK_ELEMENTS elements for an [L, C, T] problem."""
+    """Tile extents (l, c, t) of at most about BLOCK_ELEMENTS elements for an [L, C, T] problem.
+
+    Whole channels (all of L and T) when they fit and T is a long contiguous run: a chunk of
+    channels is then one tile, which BatchNorm's two passes share. Otherwise channels before L,
+    so that short runs (channel-last: T = 1) are read as whole rows of channels.
+    """
     n_l, n_c, n_t = shape
     t = max(1, min(n_t, BLOCK_ELEMENTS))
+    if n_t >= LONG_RUN and 0 < n_l * t <= BLOCK_ELEMENTS:
+        return n_l, max(1, min(n_c, BLOCK_ELEMENTS // (n_l * t))), t
     c = max(1, min(n_c, BLOCK_ELEMENTS // t))
     return max(1, min(n_l, BLOCK_ELEMENTS // (c * t))), c, t
 
@@ -101,6 +120,73 @@ def tiles(shape: tuple[int, int, int]) -> Iterator[tuple[slice, slice, slice]]:
                 )
 
 
-def widened(a: np.ndarray) -> np.ndarray:
-    """A tile as a fresh C-ordered fp32 array: the same arithmetic whatever the input's strides."""
-    return a.astype(np.float32, order="C")
+def tile_view(buffer: np.ndarray, tile: tuple[slice, slice, slice]) -> np.ndarray:
+    """The first elements of a flat buffer, shaped as a tile."""
+    shape = tuple(s.stop - s.start for s in tile)
+    return buffer[: math.prod(shape)].reshape(shape)
+
+
+def channel_chunks(shape: tuple[int, int, int]) -> Iterator[list[tuple[slice, slice, slice]]]:
+    """The tiles of [L, C, T] grouped by their chunk of channels, in `tiles`' order."""
+    return (list(chunk) for _, chunk in itertools.groupby(tiles(shape), key=lambda tile: tile[1].start))
+
+
+# NumPy converts fp16 one element at a time (no F16C in its casts on this build), which made
+# fp16 the reference's slowest dtype; integer and fp32 ufuncs on the bit patterns are
+# vectorized and give NumPy's bits (NaNs stay NaNs of their sign): widening for every fp16
+# pattern and rounding at every fp16 boundary are checked in tests/test_numpy_reference.py
+# (rounding also matched NumPy's over all 2^32 fp32 patterns). bf16 casts (ml_dtypes) are fast.
+F16_SIGN_AND_MAGNITUDE = np.int32(-0x70002000)  # 0x8FFFE000 after a sign-extending shift by 13
+F16_EXPONENT = np.int16(0x7C00)
+F32_EXPONENT = np.uint32(0x7F800000)
+F16_TO_F32_SCALE = np.float32(2.0**112)  # 2^(127 − 15): the exponent-bias difference
+F32_TO_F16_SCALE = np.float32(2.0**-112)
+
+
+def widened(a: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """A block as C-ordered fp32 (the same arithmetic whatever the input's strides): in `out`
+    (fp32, C-ordered, a's shape) when given, else in a fresh array."""
+    if out is None:
+        out = np.empty(a.shape, np.float32)
+    if a.dtype != np.float16:
+        np.copyto(out, a)
+        return out
+    # fp16 bits moved into fp32 position (sign stays the sign), scaled by the bias difference:
+    # exact for normals, subnormals and zeros; Inf/NaN (exponent all ones) then get fp32's.
+    bits = np.left_shift(a.view(np.int16), 13, out=out.view(np.int32), dtype=np.int32)
+    bits &= F16_SIGN_AND_MAGNITUDE
+    out *= F16_TO_F32_SCALE
+    special = np.bitwise_and(a.view(np.int16), F16_EXPONENT) == F16_EXPONENT
+    if special.any():
+        np.bitwise_or(bits, F32_EXPONENT.view(np.int32), out=bits, where=special)
+    return out
+
+
+def store(out: np.ndarray, values: np.ndarray, scratch: np.ndarray | None = None) -> None:
+    """Writes an fp32 block into `out` in out's dtype, rounded to nearest even; clobbers `values`.
+
+    fp16 rounding needs a block of scratch: `scratch` (fp32, values' shape) when given.
+    """
+    if out.dtype != np.float16:
+        out[...] = values
+        return
+    u = values.view(np.uint32)
+    half = out.view(np.uint16)
+    np.right_shift(u, 16, out=half, casting="unsafe")
+    half &= np.uint16(0x8000)  # the sign
+    u &= np.uint32(0x7FFFFFFF)
+    magnitude = u.view(np.float32)
+    # Adding 2^(e+13) (e: the value's exponent, at least fp16's smallest, -14) leaves fp16's
+    # precision at that exponent: the fp32 add rounds to nearest even, subtracting is exact.
+    # Then |v| ≥ 2^16 is Inf (min keeps NaN), and 2^-112 rebiases: fp16 bits are fp32's >> 13.
+    exponent = np.bitwise_and(u, F32_EXPONENT, out=None if scratch is None else scratch.view(np.uint32))
+    np.clip(exponent, np.uint32(113 << 23), np.uint32(143 << 23), out=exponent)
+    exponent += np.uint32(13 << 23)
+    magic = exponent.view(np.float32)
+    magnitude += magic
+    magnitude -= magic
+    np.minimum(magnitude, np.float32(2.0**16), out=magnitude)
+    magnitude *= F32_TO_F16_SCALE
+    u >>= np.uint32(13)
+    u &= np.uint32(0x7FFF)  # a NaN's fp32 exponent reaches past fp16's
+    np.bitwise_or(half, u, out=half, casting="unsafe")

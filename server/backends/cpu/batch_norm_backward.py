@@ -3,14 +3,19 @@
 One parallel task per channel: it reads the channel's L rows of T elements once, widening in
 registers, and sums Σg and Σg·x̂ in fp32 lanes per ROW_BLOCK and fp64 beyond (`row_sums`: a
 fixed order per channel, so any thread count gives the same bits), then — while the channel
-is still in cache — writes its gradInput in the output dtype. Channel-last tensors (T = 1)
-and views whose dims do not merge into [L, C, T] run on the operator's NumPy reference
-(`handles`).
+is still in cache — writes its gradInput in the output dtype.
+
+Channel-last tensors (T = 1: NHWC, NDHWC) are [L, C] rows with one element per channel, and
+run on their own kernel: a fixed number of tasks (a function of L) each own a range of rows
+and sum every channel over them (fp32 per LAST_SUB_ROWS rows, then fp64); the host adds the
+tasks' sums in task order, and a second pass writes gradInput. Views whose dims do not merge
+into these shapes run on the operator's NumPy reference (`handles`).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import numba
@@ -22,24 +27,28 @@ from ._jit import F32, FLOAT_DTYPES, STORAGE, array, flat, gather_len, kernel_vi
 from ._reduce import LANES, row_sums
 
 
-def _signatures():
+def storage_signatures(rank: int, rest: Callable[[Any], tuple]) -> list[Any]:
+    """One signature per storage type: gradOut, input, their kind and the rank-D view's shape,
+    then `rest(storage type)` (gradInput has gradOut's dtype, SPEC 5.2)."""
     sigs = []
     for cin in STORAGE:
-        for cout in (cin,):  # gradInput has gradOut's dtype (SPEC 5.2)
-            base = array(cin, 1, True, "C")
-            strides = types.UniTuple(types.int64, 3)
-            vec = array(np.float32, 1, True, "C")
-            sums = array(np.float64, 1, False, "C")
-            sigs.append(
-                types.void(
-                    *(base, strides, base, strides, types.int64, strides),  # gradOut, input, kind, [L, C, T]
-                    *(vec, vec, vec),  # μ, s, w per channel
-                    *(array(cout, 3, False, "C"), types.int64),  # gradInput [L, C, T] (or a dummy), its kind
-                    *(sums, sums),  # Σg, Σg·x̂ per channel (fp64)
-                    *(types.boolean, types.boolean, types.boolean),  # training, want gradInput, need sums
-                )
-            )
+        base = array(cin, 1, True, "C")
+        strides = types.UniTuple(types.int64, rank)
+        sigs.append(types.void(base, strides, base, strides, types.int64, strides, *rest(cin)))
     return sigs
+
+
+def _signatures():
+    vec, sums = array(np.float32, 1, True, "C"), array(np.float64, 1, False, "C")
+    return storage_signatures(
+        3,
+        lambda cin: (
+            *(vec, vec, vec),  # μ, s, w per channel
+            *(array(cin, 3, False, "C"), types.int64),  # gradInput [L, C, T] (or a dummy), its kind
+            *(sums, sums),  # Σg, Σg·x̂ per channel (fp64)
+            *(types.boolean, types.boolean, types.boolean),  # training, want gradInput, need sums
+        ),
+    )
 
 
 @lazy_njit(_signatures)
@@ -84,11 +93,80 @@ def channels_kernel(gb, gs, xb, xs, kind, shape, mu, s, w, dx, out_kind, sum_g, 
                         di[j] = narrow(load(gi[j], kind) * scale, di, out_kind)
 
 
+LAST_TASKS = 32  # tasks of a channel-last call (fewer when L is smaller): never the thread count
+LAST_SUB_ROWS = 128  # rows a channel-last fp32 partial sum spans before it is added in fp64
+
+
+def _last_signatures():
+    vec, sums = array(np.float32, 1, True, "C"), array(np.float64, 2, False, "C")
+    return storage_signatures(
+        2,
+        lambda cin: (
+            *(vec, vec),  # μ, s per channel
+            *(vec, vec, vec),  # mean(g), mean(g·x̂), w·s per channel (the gradInput pass)
+            *(array(cin, 2, False, "C"), types.int64),  # gradInput [L, C] (or a dummy), its kind
+            *(sums, sums),  # Σg, Σg·x̂ per task and channel (the sums pass)
+            *(types.boolean, types.boolean),  # the sums pass (else gradInput's), training
+        ),
+    )
+
+
+@lazy_njit(_last_signatures)
+def channels_last_kernel(
+    gb, gs, xb, xs, kind, shape, mu, s, mean_g, mean_gx, scale, dx, out_kind, task_g, task_gx, sums_pass, training
+):
+    n_l, n_c = shape
+    tasks = task_g.shape[0]
+    for t in prange(tasks):
+        l0 = t * n_l // tasks
+        l1 = (t + 1) * n_l // tasks
+        gbuf = np.empty(gather_len(gs[1], n_c), gb.dtype)
+        xbuf = np.empty(gather_len(xs[1], n_c), xb.dtype)
+        if sums_pass:
+            part_g = np.empty(n_c, np.float32)
+            part_gx = np.empty(n_c, np.float32)
+            tg = task_g[t]
+            tgx = task_gx[t]
+            tg[:] = 0
+            tgx[:] = 0
+            for b0 in range(l0, l1, LAST_SUB_ROWS):
+                part_g[:] = 0
+                part_gx[:] = 0
+                for li in range(b0, min(b0 + LAST_SUB_ROWS, l1)):
+                    gi = row(gb, li * gs[0], gs[1], n_c, gbuf)
+                    xi = row(xb, li * xs[0], xs[1], n_c, xbuf)
+                    for c in range(n_c):
+                        gv = load(gi[c], kind)
+                        part_g[c] += gv
+                        part_gx[c] += gv * ((load(xi[c], kind) - mu[c]) * s[c])
+                for c in range(n_c):
+                    tg[c] += part_g[c]
+                    tgx[c] += part_gx[c]
+        else:
+            for li in range(l0, l1):
+                gi = row(gb, li * gs[0], gs[1], n_c, gbuf)
+                di = dx[li]
+                if training:
+                    xi = row(xb, li * xs[0], xs[1], n_c, xbuf)
+                    for c in range(n_c):
+                        h = (load(xi[c], kind) - mu[c]) * s[c]
+                        di[c] = narrow((load(gi[c], kind) - mean_g[c] - h * mean_gx[c]) * scale[c], di, out_kind)
+                else:
+                    for c in range(n_c):
+                        di[c] = narrow(load(gi[c], kind) * scale[c], di, out_kind)
+
+
 def lct(shape: tuple[int, ...], axis: int) -> tuple[int, int, int]:
     return math.prod(shape[:axis]), shape[axis], math.prod(shape[axis + 1 :])
 
 
-def kernel_ready(a: np.ndarray, shape: tuple[int, int, int]) -> np.ndarray | None:
+def kernel_shape(shape: tuple[int, ...], axis: int) -> tuple[int, ...]:
+    """[L, C] for channel-last tensors (T = 1 and several channels: rows of channels), else [L, C, T]."""
+    n_l, n_c, n_t = lct(shape, axis)
+    return (n_l, n_c) if n_t == 1 and n_c > 1 else (n_l, n_c, n_t)
+
+
+def kernel_ready(a: np.ndarray, shape: tuple[int, ...]) -> np.ndarray | None:
     v = a.view()
     try:
         v.shape = shape
@@ -98,19 +176,24 @@ def kernel_ready(a: np.ndarray, shape: tuple[int, int, int]) -> np.ndarray | Non
 
 
 def handles(plan: Plan) -> bool:
-    shape = lct(plan.inputs["input"].shape, plan.values["channel_axis"])
-    if shape[2] == 1 and shape[1] > 1:
-        return False  # channel-last: per-channel rows of one element (NumPy reference)
+    shape = kernel_shape(plan.inputs["input"].shape, plan.values["channel_axis"])
     return all(kernel_ready(probe(plan.inputs[name]), shape) is not None for name in ("gradOut", "input"))
 
 
 def workspace_size(plan: Plan) -> int:
-    n_l, n_c, n_t = lct(plan.inputs["input"].shape, plan.values["channel_axis"])
-    if n_l * n_c * n_t == 0:
+    shape = kernel_shape(plan.inputs["input"].shape, plan.values["channel_axis"])
+    n_c = shape[1]
+    if math.prod(shape) == 0:
         return 0
-    tasks = min(n_c, numba.config.NUMBA_NUM_THREADS)
-    # Per running task: lane accumulators, and gathered rows (for strided views); per channel: vectors.
-    return tasks * (2 * LANES * 4 + 2 * 4 * n_t) + n_c * (3 * 4 + 2 * 8)
+    vectors = n_c * (6 * 4 + 2 * 8)  # μ, s, w, the means and w·s in fp32; the sums in fp64
+    if len(shape) == 2:
+        tasks = min(LAST_TASKS, shape[0])
+        running = min(tasks, numba.config.NUMBA_NUM_THREADS)
+        # Per task: fp64 sums; per running task: fp32 partials and gathered rows (strided views).
+        return tasks * n_c * 2 * 8 + running * n_c * 4 * 4 + vectors
+    running = min(n_c, numba.config.NUMBA_NUM_THREADS)
+    # Per running task: lane accumulators, and gathered rows (for strided views).
+    return running * (2 * LANES * 4 + 2 * 4 * shape[2]) + vectors
 
 
 def per_channel(t: np.ndarray | None, c: int, default: float) -> np.ndarray:
@@ -133,9 +216,33 @@ def run_channels(g3, x3, mu, s, w, dx3, training: bool, need_sums: bool) -> tupl
     return sum_g, sum_gx
 
 
+def run_channels_last(g2, x2, mu, s, w, dx2, training: bool, need_sums: bool) -> tuple[np.ndarray, np.ndarray]:
+    """The channel-last kernel on [L, C] views: a sums pass (when needed), then a gradInput pass."""
+    n_l, n_c = x2.shape
+    gk, kind = kernel_view(g2)
+    xk, _ = kernel_view(x2)
+    (gb, gs), (xb, xs) = flat(gk), flat(xk)
+    tasks = min(LAST_TASKS, n_l)
+    task_g, task_gx = np.zeros((tasks, n_c)), np.zeros((tasks, n_c))
+    unused = np.empty(0, np.float32)
+    if need_sums:
+        dummy = np.empty((1, 1), gk.dtype)
+        channels_last_kernel.run(
+            gb, gs, xb, xs, kind, x2.shape, mu, s, unused, unused, unused, dummy, F32, task_g, task_gx, True, training
+        )
+    sum_g, sum_gx = task_g.sum(axis=0), task_gx.sum(axis=0)  # in task order
+    if dx2 is not None:
+        dk, out_kind = kernel_view(dx2)
+        means = [(total / n_l).astype(np.float32) for total in (sum_g, sum_gx)]
+        channels_last_kernel.run(
+            gb, gs, xb, xs, kind, x2.shape, mu, s, *means, w * s, dk, out_kind, task_g, task_gx, False, training
+        )
+    return sum_g, sum_gx
+
+
 def compute(plan: Plan, args: dict[str, Any]) -> None:
-    shape = lct(args["input"].shape, plan.values["channel_axis"])
-    g3, x3 = kernel_ready(args["gradOut"], shape), kernel_ready(args["input"], shape)
+    shape = kernel_shape(args["input"].shape, plan.values["channel_axis"])
+    g, x = kernel_ready(args["gradOut"], shape), kernel_ready(args["input"], shape)
     n_c = shape[1]
     training = bool(args["training"])
     w = per_channel(args["weight"], n_c, 1.0)
@@ -150,7 +257,8 @@ def compute(plan: Plan, args: dict[str, Any]) -> None:
     dx, dw, db = args["gradInput"], args["gradWeight"], args["gradBias"]
     need_sums = dw is not None or db is not None or (training and dx is not None)
     if math.prod(shape):
-        sum_g, sum_gx = run_channels(g3, x3, mu, s, w, None if dx is None else dx.reshape(shape), training, need_sums)
+        run = run_channels_last if len(shape) == 2 else run_channels
+        sum_g, sum_gx = run(g, x, mu, s, w, None if dx is None else dx.reshape(shape), training, need_sums)
     else:
         sum_g, sum_gx = np.zeros(n_c), np.zeros(n_c)
     if dw is not None:
@@ -164,3 +272,4 @@ def warm_up() -> None:
     for dtype in FLOAT_DTYPES:
         x = np.ones((2, 2, 3), dtype)
         run_channels(x, x, ones, ones, ones, np.empty((2, 2, 3), dtype), True, True)
+        run_channels_last(x[0], x[0], ones, ones, ones, np.empty((2, 3), dtype), True, True)
