@@ -9,9 +9,10 @@ For every operator, shape and dtype (fp32/fp16/bf16) it times, in this process a
   * PyTorch CPU on the same arrays: aten.native_layer_norm_backward / native_batch_norm_backward
     (LayerNormGrad: its rstd from variance, then native_layer_norm_backward; ElemtBackward,
     which has no CPU aten op: the same formula as composed torch ops);
-and prints a Markdown table of medians, their ratios to PyTorch, the cpu backend's
-workspace_size, and the peak extra resident memory of one call (VmHWM − VmRSS before it,
-outputs included). See bench/README.md.
+and prints a Markdown table of medians, their ratios to PyTorch, the cpu backend's time
+against the memory-traffic bound (reading and writing each full-size tensor once, at the copy
+bandwidth measured in this run), the cpu backend's workspace_size, and the peak extra
+resident memory of one call (VmHWM − VmRSS before it, outputs included). See bench/README.md.
 """
 
 from __future__ import annotations
@@ -204,6 +205,21 @@ def timed(fn: Callable[[], Any], budget_s: float, min_reps: int, max_reps: int) 
     return statistics.median(times)
 
 
+def copy_bandwidth() -> float:
+    """Bytes per second this machine moves in a multi-threaded copy (read + write, 256 MiB each way)."""
+    src = torch.ones(64 << 20)
+    dst = torch.empty_like(src)
+    return 2 * src.nbytes / timed(lambda: dst.copy_(src), 1.0, 5, 20)
+
+
+def traffic_bytes(params: dict[str, Any]) -> int:
+    """Bytes a call must move at least: each full-size tensor (inputs and outputs) once."""
+    arrays = [v if isinstance(v, np.ndarray) else getattr(v, "data", None) for v in params.values()]
+    arrays = [a for a in arrays if isinstance(a, np.ndarray)]
+    largest = max(a.size for a in arrays)
+    return sum(a.nbytes for a in arrays if a.size == largest)
+
+
 def backend_call(client: LocalClient, case: Case) -> Callable[[], Any]:
     def call():
         _, executor = client.get_workspace_size(case.op, **case.params)
@@ -224,9 +240,12 @@ def main(argv: list[str] | None = None) -> int:
 
     started = time.perf_counter()
     clients = {name: LocalClient(backend=name) for name in BACKENDS}  # the cpu backend warms up here
+    bandwidth = copy_bandwidth()
     print(f"backends ready in {time.perf_counter() - started:.1f} s; torch {torch.__version__} "
-          f"with {torch.get_num_threads()} threads", file=sys.stderr)  # fmt: skip
+          f"with {torch.get_num_threads()} threads; copy bandwidth {bandwidth / 1e9:.1f} GB/s",
+          file=sys.stderr)  # fmt: skip
     cols = [f"{b} ms" for b in BACKENDS] + ["torch ms"] + [f"{b}/torch" for b in BACKENDS]
+    cols += ["bound ms", "cpu/bound"]
     cols += ["cpu workspace MiB"] + [f"peak {b} MiB" for b in (*BACKENDS, "torch")]
     print("| operator | shape | dtype | " + " | ".join(cols) + " |")
     print("|" + "---|" * (3 + len(cols)))
@@ -247,6 +266,8 @@ def main(argv: list[str] | None = None) -> int:
                 clients["cpu"].destroy_executor(executor)
                 row = [f"{ms[b]:.2f}" for b in (*BACKENDS, "torch")]
                 row += [f"{ms[b] / ms['torch']:.2f}×" for b in BACKENDS]
+                bound_ms = traffic_bytes(case.params) / bandwidth * 1e3
+                row += [f"{bound_ms:.2f}", f"{ms['cpu'] / bound_ms:.2f}×"]
                 row += [f"{ws / 2**20:.1f}"] + [f"{peaks[k]:.0f}" for k in (*BACKENDS, "torch")]
                 shape = "×".join(map(str, shapes[size]))
                 print(f"| {label} | {shape} ({size}) | {dname} | " + " | ".join(row) + " |", flush=True)
