@@ -117,6 +117,10 @@ class DataChannel:
         for sock in idle:
             sock.close()
 
+    def warm(self) -> None:
+        """Opens one connection into the pool now; raises what opening it raised."""
+        self._checkin(self._connect())
+
     def call(self, method: str, request: object, stream: int | None, timeout: float | None) -> object:
         """A unary call; the reply message, or the AclnnError the server answered with."""
         name = method.encode()

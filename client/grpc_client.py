@@ -232,7 +232,7 @@ class Client(BaseClient):
         self._data_channels: dict[int, DataChannel | None] = {}
         if not data_channel:
             self._data_channels = dict.fromkeys(range(len(addresses)))
-        self._data_tls = tls_context(root_certificates, private_key, certificate_chain) if secure else None
+        self._tls_pem = (root_certificates, private_key, certificate_chain) if secure else None
         self._data_lock = threading.Lock()
         self._down_until = [0.0] * len(addresses)
         self._turn = itertools.count()
@@ -427,18 +427,18 @@ class Client(BaseClient):
             raise
         if not offer.port:
             return None
+
+        def open_ticket() -> bytes:
+            return self._call_grpc(replica, "OpenDataChannel", pb.Empty()).ticket
+
         try:
-            socket.create_connection((host, offer.port), timeout=_CONNECT_S).close()
-        except OSError as exc:
-            log.warning("data channel %s:%d unreachable (%s): using gRPC only", host, offer.port, exc)
+            tls = tls_context(*self._tls_pem) if self._tls_pem else None
+            channel = DataChannel(host, offer.port, offer.ticket, open_ticket, tls=tls)
+            channel.warm()  # one real connection (TLS and admission included) proves the way
+        except (OSError, AclnnError) as exc:
+            log.warning("data channel %s:%d unusable (%s): using gRPC only", host, offer.port, exc)
             return None
-        return DataChannel(
-            host,
-            offer.port,
-            offer.ticket,
-            lambda: self._call_grpc(replica, "OpenDataChannel", pb.Empty()).ticket,
-            tls=self._data_tls,
-        )
+        return channel
 
     def _forget_data_channel(self, replica: int) -> None:
         with self._data_lock:
