@@ -32,7 +32,17 @@ from ..params import (
     tensor,
 )
 from ..registry import Operator, Plan, plan_from
-from .rows import NUMPY_BUFFER, Tiles, channel_chunks, store, tile_shape, tile_view, widened
+from .rows import (
+    NUMPY_BUFFER,
+    Tiles,
+    channel_chunks,
+    in_order,
+    store,
+    tile_shape,
+    tile_view,
+    widened,
+    workers_for,
+)
 
 PER_CHANNEL = ("weight", "runningMean", "runningVar", "saveMean", "saveInvstd")
 INPUTS = ("gradOut", "input", *PER_CHANNEL)
@@ -134,13 +144,14 @@ def channel_sums(tile: np.ndarray) -> np.ndarray:
 
 
 def workspace_size(plan: Plan) -> int:
-    """Three fp32 tile buffers, a tile of transients (a gathered strided tile, or fp16 widening's
-    masks), NumPy's casting buffers, and per-channel vectors."""
+    """Per worker: three fp32 tile buffers, a tile of transients (a gathered strided tile, or fp16
+    widening's masks), NumPy's casting buffers; and per-channel vectors."""
     x = plan.inputs["input"]
     axis = plan.values["channel_axis"]
     shape = (math.prod(x.shape[:axis]), x.shape[axis], math.prod(x.shape[axis + 1 :]))
     tile = math.prod(tile_shape(shape)) if x.numel else 0
-    return 4 * 4 * tile + 2 * 8 * NUMPY_BUFFER + (4 * 8 + 8 * 4) * shape[1]
+    workers = workers_for(sum(1 for _ in channel_chunks(shape))) if x.numel else 1
+    return workers * (4 * 4 * tile + 2 * 8 * NUMPY_BUFFER) + (4 * 8 + 8 * 4) * shape[1]
 
 
 def compute(
@@ -178,35 +189,42 @@ def compute(
     need_sums = gradWeight is not None or gradBias is not None or (training and gradInput is not None)
     scale = w * s
     out = None if gradInput is None else gradInput.reshape(shape)
-    buffers = np.empty((3, math.prod(tile_shape(shape))), np.float32)  # g, x − μ, a product
-    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
-        for chunk in channel_chunks(shape):
-            cs = chunk[0][1]
-            for tile in chunk if need_sums else ():
-                gb, xc, product = (tile_view(buf, tile) for buf in buffers)
+    chunks = list(channel_chunks(shape))
+    # Per worker: g, x − μ, a product. Chunks own disjoint channels: each is summed and written
+    # whole by one thread, so the results do not depend on the thread count.
+    scratch = np.empty((workers_for(len(chunks)), 3, math.prod(tile_shape(shape))), np.float32)
+
+    def channel_chunk(chunk: list[tuple[slice, slice, slice]], buffers: np.ndarray) -> None:
+        cs = chunk[0][1]
+        for tile in chunk if need_sums else ():
+            gb, xc, product = (tile_view(buf, tile) for buf in buffers)
+            widened(g[tile], gb)
+            widened(x[tile], xc)
+            xc -= mu[cs, None]
+            sum_g[cs] += channel_sums(gb)
+            sum_gxc[cs] += channel_sums(np.multiply(gb, xc, out=product))
+        if out is None:
+            return
+        if training:
+            mean_g = (sum_g[cs] / n).astype(np.float32)
+            slope = (sum_gxc[cs] * s[cs] / n * s[cs]).astype(np.float32)  # mean(g·x̂)·s, per unit of x − μ
+        for tile in chunk:
+            gb, xc, product = (tile_view(buf, tile) for buf in buffers)
+            if len(chunk) > 1 or not need_sums:  # else the buffers still hold this tile
                 widened(g[tile], gb)
-                widened(x[tile], xc)
-                xc -= mu[cs, None]
-                sum_g[cs] += channel_sums(gb)
-                sum_gxc[cs] += channel_sums(np.multiply(gb, xc, out=product))
-            if out is None:
-                continue
-            if training:
-                mean_g = (sum_g[cs] / n).astype(np.float32)
-                slope = (sum_gxc[cs] * s[cs] / n * s[cs]).astype(np.float32)  # mean(g·x̂)·s, per unit of x − μ
-            for tile in chunk:
-                gb, xc, product = (tile_view(buf, tile) for buf in buffers)
-                if len(chunk) > 1 or not need_sums:  # else the buffers still hold this tile
-                    widened(g[tile], gb)
-                    if training:
-                        widened(x[tile], xc)
-                        xc -= mu[cs, None]
                 if training:
-                    xc *= slope[:, None]  # x̂·mean(g·x̂)
-                    gb -= mean_g[:, None]
-                    gb -= xc
-                gb *= scale[cs, None]
-                store(out[tile], gb, product)
+                    widened(x[tile], xc)
+                    xc -= mu[cs, None]
+            if training:
+                xc *= slope[:, None]  # x̂·mean(g·x̂)
+                gb -= mean_g[:, None]
+                gb -= xc
+            gb *= scale[cs, None]
+            store(out[tile], gb, product)
+
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        for _ in in_order(channel_chunk, chunks, scratch):
+            pass
     sum_gxhat = sum_gxc * s
     if gradWeight is not None:
         gradWeight[...] = sum_gxhat

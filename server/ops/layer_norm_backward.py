@@ -22,7 +22,7 @@ from ..params import (
     tensor,
 )
 from ..registry import Operator, Plan, plan_from
-from .rows import NUMPY_BUFFER, Rows, block_rows, blocks, store, widened
+from .rows import NUMPY_BUFFER, Rows, block_rows, blocks, in_order, store, widened, workers_for
 
 INPUTS = ("gradOut", "input", "mean", "rstd", "weightOptional", "biasOptional")
 SIGNATURE = Signature(
@@ -90,13 +90,16 @@ def validate(p: CallParams) -> Plan:
 
 
 def block_scratch(m: int, n: int, period: int = 1) -> int:
-    """Scratch of `layer_norm_rows`: three fp32 block buffers, a block of transients (a gathered
-    strided block, or fp16 widening's masks), NumPy's casting buffers, per-row means, fp32
-    weight rows, fp64 sums (and a block's), fp32 mean and rstd."""
+    """Scratch of `layer_norm_rows`, per worker: three fp32 block buffers, a block of transients (a
+    gathered strided block, or fp16 widening's masks), NumPy's casting buffers; then fp32 weight
+    rows, fp64 sums and the blocks' partial sums waiting to be added, fp32 mean and rstd."""
     if m * n == 0:
         return 0
     rows = min(m, block_rows(n))
-    return 3 * 4 * rows * n + 2 * 8 * NUMPY_BUFFER + 4 * rows * n + (4 + 3 * 8) * period * n + 4 * (2 * m + 2 * rows)
+    workers = workers_for(sum(1 for _ in blocks(m, n, period)))
+    per_worker = 4 * 4 * rows * n + 2 * 8 * NUMPY_BUFFER
+    partials = (workers + 2) * 2 * 8 * min(period, rows) * n
+    return workers * per_worker + (4 + 2 * 8) * period * n + partials + 4 * (2 * m + 2 * rows)
 
 
 def workspace_size(plan: Plan) -> int:
@@ -116,10 +119,10 @@ def layer_norm_rows(
     [periods, span, N] so that w broadcasts.
     """
     k, n = w.shape
-    sums = np.zeros((2, k, n)) if want_sums else None
-    # Three fp32 block buffers, reused by every block.
-    buffers = np.empty((3, min(x.m, block_rows(n)) * n), np.float32)
-    for rows in blocks(x.m, n, k) if n else ():
+    row_blocks = list(blocks(x.m, n, k)) if n else []
+    scratch = np.empty((workers_for(len(row_blocks)), 3, min(x.m, block_rows(n)) * n), np.float32)
+
+    def block(rows: slice, buffers: np.ndarray) -> tuple[slice, np.ndarray | None]:
         span = min(rows.stop - rows.start, k)
         first = rows.start % k
         shape = (-1, span, n)
@@ -129,10 +132,11 @@ def layer_norm_rows(
         widened(x[rows].reshape(shape), xhat)
         xhat -= mean[rows].reshape(-1, span, 1)
         xhat *= rs
-        if sums is not None:
-            sums[0, first : first + span] += gb.sum(axis=0, dtype=np.float64)
-            np.multiply(gb, xhat, out=product)
-            sums[1, first : first + span] += product.sum(axis=0, dtype=np.float64)
+        partial = None
+        if want_sums:
+            partial = np.empty((2, span, n))
+            gb.sum(axis=0, dtype=np.float64, out=partial[0])
+            np.multiply(gb, xhat, out=product).sum(axis=0, dtype=np.float64, out=partial[1])
         if dx is not None:
             gb *= w[first : first + span]  # g·w
             mean_gw = gb.mean(axis=2, keepdims=True)
@@ -142,6 +146,12 @@ def layer_norm_rows(
             gb -= xhat
             gb *= rs
             store(dx[rows], gb.reshape(-1, n), product.reshape(-1, n))
+        return slice(first, first + span), partial
+
+    sums = np.zeros((2, k, n)) if want_sums else None
+    for weight_rows, partial in in_order(block, row_blocks, scratch):
+        if sums is not None:
+            sums[:, weight_rows] += partial  # in block order: the same sums on any thread count
     return sums
 
 

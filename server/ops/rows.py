@@ -3,9 +3,15 @@ memory, and how a block is widened to fp32 and stored back in its dtype."""
 
 from __future__ import annotations
 
+import collections
+import contextvars
 import itertools
 import math
-from collections.abc import Iterator
+import os
+import queue
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
 
 import numpy as np
 
@@ -13,6 +19,49 @@ import numpy as np
 BLOCK_ELEMENTS = 1 << 18
 LONG_RUN = 64  # elements: a tile may take whole channels when each row of a channel is this long
 NUMPY_BUFFER = 8192  # elements of NumPy's buffers for ufuncs that cast (np.getbufsize())
+# Threads the reference spreads its blocks over: NumPy releases the GIL inside its loops.
+WORKERS = max(1, min(4, len(os.sched_getaffinity(0))))
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+def workers_for(items: int) -> int:
+    return max(1, min(WORKERS, items))
+
+
+def in_order(work: Callable[[T, np.ndarray], R], items: list[T], scratch: np.ndarray) -> Iterator[R]:
+    """work(item, buffers) for each item, on up to WORKERS threads; results in item order.
+
+    `scratch` holds one set of buffers per worker (its first axis): a worker takes a set for
+    one item and gives it back. Few results wait at a time (memory stays bounded), and since
+    each item is computed whole by one thread and the caller combines the results in order,
+    the output does not depend on the thread count.
+    """
+    workers = len(scratch)
+    if workers == 1:
+        yield from (work(item, scratch[0]) for item in items)
+        return
+    free: queue.SimpleQueue[np.ndarray] = queue.SimpleQueue()
+    for buffers in scratch:
+        free.put(buffers)
+
+    def run(item: T) -> R:
+        buffers = free.get()
+        try:
+            return work(item, buffers)
+        finally:
+            free.put(buffers)
+
+    with ThreadPoolExecutor(workers, thread_name_prefix="aclnn-numpy") as pool:
+        pending: collections.deque = collections.deque()
+        for item in items:
+            # Each task in a copy of this context: np.errstate is a context variable.
+            pending.append(pool.submit(contextvars.copy_context().run, run, item))
+            if len(pending) > workers:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
 
 
 def block_rows(n: int) -> int:
