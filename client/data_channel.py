@@ -100,7 +100,7 @@ class DataChannel:
         open_ticket: Callable[[], bytes],
         tls: ssl.SSLContext | None = None,
         max_connections: int = 32,
-        connect_timeout: float = 5.0,
+        connect_timeout: float = 5.0,  # seconds to reach the port before the client settles for gRPC
     ) -> None:
         self.host, self.port, self.tls = host, port, tls
         self._ticket, self._open_ticket = ticket, open_ticket

@@ -41,8 +41,6 @@ _RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
 _DOWN_S = 2.0
 # How often a client holding shared-memory regions renews its session's lease.
 _KEEPALIVE_S = 10.0
-# How long the client waits to reach a server's data channel before it settles for gRPC.
-_CONNECT_S = 5.0
 _SERVICE_CONFIG = json.dumps(
     {
         "loadBalancingConfig": [{"round_robin": {}}],

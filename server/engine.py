@@ -256,11 +256,9 @@ def _value_key(value: Value) -> Hashable:
 def plan_key(op: str, values: Mapping[str, Value]) -> Hashable | None:
     """The cache key of a call's plan; None when a value is of no kind validation knows (never cached)."""
     try:
-        key = (op, frozenset((name, _value_key(v)) for name, v in values.items()))
-        hash(key)
-    except TypeError:
+        return op, frozenset((name, _value_key(v)) for name, v in values.items())
+    except TypeError:  # _value_key's, or an unhashable part of a value (a list inside an IntArray)
         return None
-    return key
 
 
 class PlanCache:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import socket
-import time
 
 import grpc
 import numpy as np
@@ -13,6 +12,7 @@ from certs import make_certificates
 from google.rpc import status_pb2
 from layer_norm_cases import layer_norm_call, layer_norm_reference
 from oracle import Untouched, assert_close
+from test_transport import wait_for
 
 from aclnn_client import AclnnError, Client
 from aclnn_client._proto import aclnn_pb2 as pb
@@ -147,7 +147,7 @@ def test_truncated_upload_stores_nothing(serve):
         sock.sendall(request(UPLOAD, 1000))
         assert reply(sock) == (True, b"")
         sock.sendall(b"x" * 400)
-    wait_for_idle(served)
+    wait_for(lambda: not served.server.data_channel.open_connections)
     assert served.server.storage.counts() == (0, 0) and served.server.storage.held_bytes == 0
 
 
@@ -235,7 +235,7 @@ def test_data_channel_has_the_grpc_ports_tls(serve, certs, rng, mutual):
         except ConnectionResetError:
             answer = b""
         assert answer == b"" or answer[0] == 0x15  # 0x15: a TLS alert
-    wait_for_idle(served)
+    wait_for(lambda: not served.server.data_channel.open_connections)
 
 
 def test_unreachable_data_channel_falls_back_to_grpc(serve, rng, caplog):
@@ -263,10 +263,3 @@ def test_client_deadline_applies_on_the_data_channel(serve, rng):
 )
 def test_data_channel_host(address, host):
     assert data_channel_host(address) == host
-
-
-def wait_for_idle(served, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while served.server.data_channel.open_connections:
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
