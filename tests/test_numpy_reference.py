@@ -35,6 +35,9 @@ def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
 def test_widened_fp16_is_exact_for_every_pattern():
     out = rows.widened(ALL_F16)
     assert out.dtype == np.float32 and same_bits(out, ALL_F16.astype(np.float32))
+    for special in (np.inf, -np.inf, np.nan, -np.nan):  # found when it is the only one in a block
+        block = np.array([1.5, special, -2.0], F16)
+        assert same_bits(rows.widened(block), block.astype(np.float32))
     strided = ALL_F16[:60000].reshape(200, 300)[::3, 5:205:2].T
     got = rows.widened(strided)
     assert got.flags.c_contiguous and np.array_equal(got.view(np.uint32), strided.astype(np.float32).view(np.uint32))
@@ -142,23 +145,24 @@ def test_batch_norm_scratch_is_bounded_and_reported(rng, dtype):
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
 def test_results_do_not_depend_on_the_worker_count(rng, dtype, monkeypatch):
-    """Blocks (LayerNorm) and channel chunks (BatchNorm) on 1, 2 or 3 threads: the same bits."""
-    from batch_norm_cases import bn_call
+    """Blocks (LayerNorm), channel chunks (BatchNorm) and the tiles of one chunk (channel-last
+    BatchNorm) on 1, 2 or 3 threads: the same bits."""
+    from batch_norm_cases import BN_OUTPUTS, bn_call, with_format
 
-    ln = layer_norm_call(rng, (3000, 700), 1, dtype, "float32")  # several row blocks
-    bn = bn_call(rng, (64, 96, 30, 30), 1, dtype, "float32")  # several channel chunks
+    from aclnn_client import Format
+
+    ln_outputs = ("gradInputOut", "gradWeightOut", "gradBiasOut")
+    calls = (  # (op, call, its outputs, the format gradOut, input and gradInput are tagged with)
+        ("aclnnLayerNormBackward", layer_norm_call(rng, (3000, 700), 1, dtype, "float32"), ln_outputs, None),
+        ("aclnnBatchNormBackward", bn_call(rng, (64, 96, 30, 30), 1, dtype, "float32"), BN_OUTPUTS, None),
+        ("aclnnBatchNormBackward", bn_call(rng, (8, 30, 40, 700), 3, dtype, "float32"), BN_OUTPUTS, Format.NHWC),
+    )
     results = []
     for workers in (1, 2, 3):
         monkeypatch.setattr(rows, "WORKERS", workers)
         with LocalClient(backend="numpy") as client:
-            for op, p, outputs in (
-                ("aclnnLayerNormBackward", ln, ("gradInputOut", "gradWeightOut", "gradBiasOut")),
-                ("aclnnBatchNormBackward", bn, ("gradInput", "gradWeight", "gradBias")),
-            ):
+            for op, p, outputs, fmt in calls:
                 p.update({name: np.full_like(p[name], np.nan) for name in outputs})
-                client.run(op, **p)
-                results.append([p[name].copy() for name in outputs])
-    first_ln, first_bn = results[0], results[1]
-    for i in range(2, len(results), 2):
-        for a, b in zip(first_ln + first_bn, results[i] + results[i + 1]):
-            assert a.tobytes() == b.tobytes()
+                client.run(op, **(p if fmt is None else with_format(p, fmt)))
+                results.append([p[name].tobytes() for name in outputs])
+    assert results[: len(calls)] == results[len(calls) : 2 * len(calls)] == results[2 * len(calls) :]

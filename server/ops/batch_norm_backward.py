@@ -36,6 +36,7 @@ from .rows import (
     NUMPY_BUFFER,
     Tiles,
     channel_chunks,
+    column_sums,
     in_order,
     store,
     tile_shape,
@@ -139,19 +140,100 @@ def per_channel(t: np.ndarray | None, c: int, default: float) -> np.ndarray:
 
 
 def channel_sums(tile: np.ndarray) -> np.ndarray:
-    """Σ over a tile's [l, ·, t] axes per channel: pairwise in fp32 along t, then fp64 over l."""
-    return tile.sum(axis=2).sum(axis=0, dtype=np.float64)
+    """Σ over a tile's [l, ·, t] axes per channel: pairwise in fp32 along t, then `column_sums` over l."""
+    return column_sums(tile[:, :, 0] if tile.shape[2] == 1 else tile.sum(axis=2))
+
+
+def parallel_items(shape: tuple[int, int, int]) -> int:
+    """What the threads share out: whole channel chunks when each is one tile, else a chunk's tiles."""
+    chunks = [len(chunk) for chunk in channel_chunks(shape)]
+    return len(chunks) if max(chunks, default=1) == 1 else max(chunks)
 
 
 def workspace_size(plan: Plan) -> int:
     """Per worker: three fp32 tile buffers, a tile of transients (a gathered strided tile, or fp16
-    widening's masks), NumPy's casting buffers; and per-channel vectors."""
+    widening's masks), NumPy's casting buffers; per-channel vectors; partial sums in flight."""
     x = plan.inputs["input"]
     axis = plan.values["channel_axis"]
     shape = (math.prod(x.shape[:axis]), x.shape[axis], math.prod(x.shape[axis + 1 :]))
-    tile = math.prod(tile_shape(shape)) if x.numel else 0
-    workers = workers_for(sum(1 for _ in channel_chunks(shape))) if x.numel else 1
-    return workers * (4 * 4 * tile + 2 * 8 * NUMPY_BUFFER) + (4 * 8 + 8 * 4) * shape[1]
+    if not x.numel:
+        return (8 * 4 + 4 * 6) * shape[1]
+    l, c, t = tile_shape(shape)
+    workers = workers_for(parallel_items(shape))
+    return workers * (4 * 4 * l * c * t + 2 * 8 * NUMPY_BUFFER) + (8 * 4 + 4 * 6) * shape[1] + (workers + 2) * 16 * c
+
+
+class ChannelPasses:
+    """BatchNorm backward over [L, C, T] tiles: pass 1 sums Σg and Σg·(x − μ) per channel, pass 2
+    writes gradInput. Each chunk of channels adds its tiles' partial sums in tile order, whatever
+    thread computed them, so the results do not depend on the thread count."""
+
+    def __init__(self, g: Tiles, x: Tiles, mu: np.ndarray, s: np.ndarray, scale: np.ndarray, training: bool,
+                 out: np.ndarray | None, need_sums: bool) -> None:  # fmt: skip
+        self.g, self.x, self.mu, self.s, self.scale, self.training = g, x, mu, s, scale, training
+        self.out, self.need_sums = out, need_sums
+        n_c = x.shape[1]
+        self.n = x.shape[0] * x.shape[2]
+        self.sum_g, self.sum_gxc = np.zeros(n_c), np.zeros(n_c)  # x̂ = (x − μ)·s
+        self.mean_g, self.slope = np.empty(n_c, np.float32), np.empty(n_c, np.float32)
+
+    def run(self) -> None:
+        chunks = list(channel_chunks(self.x.shape))
+        workers = workers_for(parallel_items(self.x.shape))
+        scratch = np.empty((workers, 3, math.prod(tile_shape(self.x.shape))), np.float32)  # g, x − μ, product
+        if all(len(chunk) == 1 for chunk in chunks):  # whole channels: a thread takes both passes of a chunk
+            for _ in in_order(self.whole_chunk, chunks, scratch):
+                pass
+            return
+        for chunk in chunks:  # short rows (channel-last: one chunk of all channels): threads take the tiles
+            if self.need_sums:
+                for sums in in_order(self.tile_sums, chunk, scratch):
+                    self.add_sums(*sums)
+                self.finish_sums(chunk[0][1])
+            for _ in in_order(self.tile_write, chunk if self.out is not None else [], scratch):
+                pass
+
+    def whole_chunk(self, chunk: list[tuple[slice, slice, slice]], buffers: np.ndarray) -> None:
+        """Both passes on a chunk that is one tile, which stays widened between them."""
+        if self.need_sums:
+            self.add_sums(*self.tile_sums(chunk[0], buffers))
+            self.finish_sums(chunk[0][1])
+        if self.out is not None:
+            self.tile_write(chunk[0], buffers, kept=self.need_sums)
+
+    def tile_sums(self, tile: tuple[slice, slice, slice], buffers: np.ndarray) -> tuple[slice, np.ndarray, np.ndarray]:
+        """Pass 1 on a tile: its channels' Σg and Σg·(x − μ); the buffers keep g and x − μ widened."""
+        gb, xc, product = (tile_view(buf, tile) for buf in buffers)
+        widened(self.g[tile], gb)
+        widened(self.x[tile], xc)
+        xc -= self.mu[tile[1], None]
+        return tile[1], channel_sums(gb), channel_sums(np.multiply(gb, xc, out=product))
+
+    def add_sums(self, cs: slice, tile_g: np.ndarray, tile_gxc: np.ndarray) -> None:
+        self.sum_g[cs] += tile_g
+        self.sum_gxc[cs] += tile_gxc
+
+    def finish_sums(self, cs: slice) -> None:
+        """Pass 2's coefficients for a chunk of channels, once all its tiles are summed."""
+        if self.training:
+            self.mean_g[cs] = self.sum_g[cs] / self.n
+            self.slope[cs] = self.sum_gxc[cs] * self.s[cs] / self.n * self.s[cs]  # mean(g·x̂)·s, per unit of x − μ
+
+    def tile_write(self, tile: tuple[slice, slice, slice], buffers: np.ndarray, kept: bool = False) -> None:
+        """Pass 2 on a tile: gradInput; `kept`: the buffers still hold the tile from pass 1."""
+        cs = tile[1]
+        gb, xc, product = (tile_view(buf, tile) for buf in buffers)
+        if not kept:
+            widened(self.g[tile], gb)
+            if self.training:
+                widened(self.x[tile], xc)
+                xc -= self.mu[cs, None]
+        if self.training:
+            xc *= self.slope[cs, None]  # x̂·mean(g·x̂)
+            gb -= self.mean_g[cs, None]
+            gb -= xc
+        gb *= self.scale[cs, None]
+        store(self.out[tile], gb, product)
 
 
 def compute(
@@ -171,12 +253,10 @@ def compute(
     *,
     channel_axis: int,
 ) -> None:
-    """Per channel chunk: pass 1 sums Σg and Σg·x̂ per channel in fp64 (when needed), pass 2
-    writes gradInput by tiles; a chunk that is one tile keeps it widened between the passes."""
+    """ChannelPasses in fp32 on the per-channel statistics of the mode (saved, or running)."""
     del outputMask  # it gated the outputs
     g, x = Tiles(gradOut, channel_axis), Tiles(input, channel_axis)
-    shape = x.shape
-    n_c, n = shape[1], shape[0] * shape[2]
+    n_c = x.shape[1]
     w = per_channel(weight, n_c, 1.0)
     if training:
         mu, s = per_channel(saveMean, n_c, 0.0), per_channel(saveInvstd, n_c, 1.0)
@@ -185,51 +265,15 @@ def compute(
         var = np.ones(n_c) if runningVar is None else runningVar.reshape(-1).astype(np.float64)
         with np.errstate(invalid="ignore", divide="ignore"):
             s = (1.0 / np.sqrt(var + eps)).astype(np.float32)
-    sum_g, sum_gxc = np.zeros(n_c), np.zeros(n_c)  # Σg, Σg·(x − μ); x̂ = (x − μ)·s
     need_sums = gradWeight is not None or gradBias is not None or (training and gradInput is not None)
-    scale = w * s
-    out = None if gradInput is None else gradInput.reshape(shape)
-    chunks = list(channel_chunks(shape))
-    # Per worker: g, x − μ, a product. Chunks own disjoint channels: each is summed and written
-    # whole by one thread, so the results do not depend on the thread count.
-    scratch = np.empty((workers_for(len(chunks)), 3, math.prod(tile_shape(shape))), np.float32)
-
-    def channel_chunk(chunk: list[tuple[slice, slice, slice]], buffers: np.ndarray) -> None:
-        cs = chunk[0][1]
-        for tile in chunk if need_sums else ():
-            gb, xc, product = (tile_view(buf, tile) for buf in buffers)
-            widened(g[tile], gb)
-            widened(x[tile], xc)
-            xc -= mu[cs, None]
-            sum_g[cs] += channel_sums(gb)
-            sum_gxc[cs] += channel_sums(np.multiply(gb, xc, out=product))
-        if out is None:
-            return
-        if training:
-            mean_g = (sum_g[cs] / n).astype(np.float32)
-            slope = (sum_gxc[cs] * s[cs] / n * s[cs]).astype(np.float32)  # mean(g·x̂)·s, per unit of x − μ
-        for tile in chunk:
-            gb, xc, product = (tile_view(buf, tile) for buf in buffers)
-            if len(chunk) > 1 or not need_sums:  # else the buffers still hold this tile
-                widened(g[tile], gb)
-                if training:
-                    widened(x[tile], xc)
-                    xc -= mu[cs, None]
-            if training:
-                xc *= slope[:, None]  # x̂·mean(g·x̂)
-                gb -= mean_g[:, None]
-                gb -= xc
-            gb *= scale[cs, None]
-            store(out[tile], gb, product)
-
+    out = None if gradInput is None else gradInput.reshape(x.shape)
+    passes = ChannelPasses(g, x, mu, s, w * s, training, out, need_sums)
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
-        for _ in in_order(channel_chunk, chunks, scratch):
-            pass
-    sum_gxhat = sum_gxc * s
+        passes.run()
     if gradWeight is not None:
-        gradWeight[...] = sum_gxhat
+        gradWeight[...] = passes.sum_gxc * s
     if gradBias is not None:
-        gradBias[...] = sum_g
+        gradBias[...] = passes.sum_g
 
 
 OPERATOR = Operator("aclnnBatchNormBackward", SIGNATURE, validate, workspace_size, compute)

@@ -22,7 +22,7 @@ from ..params import (
     tensor,
 )
 from ..registry import Operator, Plan, plan_from
-from .rows import NUMPY_BUFFER, Rows, block_rows, blocks, in_order, store, widened, workers_for
+from .rows import NUMPY_BUFFER, Rows, block_rows, blocks, column_sums, in_order, store, widened, workers_for
 
 INPUTS = ("gradOut", "input", "mean", "rstd", "weightOptional", "biasOptional")
 SIGNATURE = Signature(
@@ -134,9 +134,7 @@ def layer_norm_rows(
         xhat *= rs
         partial = None
         if want_sums:
-            partial = np.empty((2, span, n))
-            gb.sum(axis=0, dtype=np.float64, out=partial[0])
-            np.multiply(gb, xhat, out=product).sum(axis=0, dtype=np.float64, out=partial[1])
+            partial = np.stack((column_sums(gb), column_sums(np.multiply(gb, xhat, out=product))))
         if dx is not None:
             gb *= w[first : first + span]  # g·w
             mean_gw = gb.mean(axis=2, keepdims=True)

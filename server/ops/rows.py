@@ -19,6 +19,8 @@ import numpy as np
 BLOCK_ELEMENTS = 1 << 18
 LONG_RUN = 64  # elements: a tile may take whole channels when each row of a channel is this long
 NUMPY_BUFFER = 8192  # elements of NumPy's buffers for ufuncs that cast (np.getbufsize())
+# Rows an fp32 column sum runs over before fp64 takes over: short fixed-size blocks (SPEC 1.5).
+SUM_RUN = 64
 # Threads the reference spreads its blocks over: NumPy releases the GIL inside its loops.
 WORKERS = max(1, min(4, len(os.sched_getaffinity(0))))
 
@@ -62,6 +64,16 @@ def in_order(work: Callable[[T, np.ndarray], R], items: list[T], scratch: np.nda
                 yield pending.popleft().result()
         while pending:
             yield pending.popleft().result()
+
+
+def column_sums(a: np.ndarray) -> np.ndarray:
+    """Σ over axis 0 of an fp32 block, in fp64: fp32 sums of runs of SUM_RUN rows, added in fp64 in
+    order (an fp64 sum of the whole block casts every element and takes several times as long)."""
+    whole = len(a) - len(a) % SUM_RUN
+    total = a[:whole].reshape(-1, SUM_RUN, *a.shape[1:]).sum(axis=1).sum(axis=0, dtype=np.float64)
+    if whole < len(a):
+        total += a[whole:].sum(axis=0)
+    return total
 
 
 def block_rows(n: int) -> int:
@@ -205,8 +217,9 @@ def widened(a: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     bits = np.left_shift(a.view(np.int16), 13, out=out.view(np.int32), dtype=np.int32)
     bits &= F16_SIGN_AND_MAGNITUDE
     out *= F16_TO_F32_SCALE
-    special = np.bitwise_and(a.view(np.int16), F16_EXPONENT) == F16_EXPONENT
-    if special.any():
+    # Two max reductions find any: +Inf/NaN are int16 patterns ≥ 0x7C00, −Inf/NaN uint16 ≥ 0xFC00.
+    if a.size and (a.view(np.int16).max() >= F16_EXPONENT or a.view(np.uint16).max() >= 0xFC00):
+        special = np.bitwise_and(a.view(np.int16), F16_EXPONENT) == F16_EXPONENT
         np.bitwise_or(bits, F32_EXPONENT.view(np.int32), out=bits, where=special)
     return out
 
@@ -227,15 +240,20 @@ def store(out: np.ndarray, values: np.ndarray, scratch: np.ndarray | None = None
     magnitude = u.view(np.float32)
     # Adding 2^(e+13) (e: the value's exponent, at least fp16's smallest, -14) leaves fp16's
     # precision at that exponent: the fp32 add rounds to nearest even, subtracting is exact.
-    # Then |v| ≥ 2^16 is Inf (min keeps NaN), and 2^-112 rebiases: fp16 bits are fp32's >> 13.
-    exponent = np.bitwise_and(u, F32_EXPONENT, out=None if scratch is None else scratch.view(np.uint32))
+    # Then |v| ≥ 2^16 is Inf (clip keeps NaN), and 2^-112 rebiases: fp16 bits are fp32's >> 13.
+    if scratch is None:
+        scratch = np.empty(values.shape, np.float32)
+    exponent = np.bitwise_and(u, F32_EXPONENT, out=scratch.view(np.uint32))
     np.clip(exponent, np.uint32(113 << 23), np.uint32(143 << 23), out=exponent)
     exponent += np.uint32(13 << 23)
     magic = exponent.view(np.float32)
     magnitude += magic
     magnitude -= magic
-    np.minimum(magnitude, np.float32(2.0**16), out=magnitude)
+    np.clip(magnitude, np.float32(0), np.float32(2.0**16), out=magnitude)  # 3× faster than np.minimum
     magnitude *= F32_TO_F16_SCALE
     u >>= np.uint32(13)
     u &= np.uint32(0x7FFF)  # a NaN's fp32 exponent reaches past fp16's
-    np.bitwise_or(half, u, out=half, casting="unsafe")
+    # Narrowing into the (now free) scratch first: an OR that casts as it goes is 4× slower.
+    narrow = scratch.view(np.uint16).reshape(-1)[: u.size].reshape(u.shape)
+    np.copyto(narrow, u, casting="unsafe")
+    half |= narrow
