@@ -9,7 +9,8 @@ For every operator, shape and dtype (fp32/fp16/bf16) it times, in this process a
   * PyTorch CPU on the same arrays: aten.native_layer_norm_backward / native_batch_norm_backward
     (LayerNormGrad: its rstd from variance, then native_layer_norm_backward; ElemtBackward,
     which has no CPU aten op: the same formula as composed torch ops);
-and prints a Markdown table of medians, their ratios to PyTorch, the cpu backend's time
+in interleaved rounds, and prints a Markdown table of medians, the median per-round ratios to
+PyTorch, the cpu backend's time
 against the memory-traffic bound (reading and writing each full-size tensor once, at the copy
 bandwidth measured in this run), the cpu backend's workspace_size, and the peak extra
 resident memory of one call (VmHWM − VmRSS before it, outputs included). See bench/README.md.
@@ -195,14 +196,28 @@ def peak_extra_mib(fn: Callable[[], Any]) -> float:
 
 def timed(fn: Callable[[], Any], budget_s: float, min_reps: int, max_reps: int) -> float:
     """Median seconds of repeated warm runs (after one untimed run)."""
-    fn()
-    times: list[float] = []
-    started = time.perf_counter()
-    while len(times) < max_reps and (len(times) < min_reps or time.perf_counter() - started < budget_s):
-        t = time.perf_counter()
+    return statistics.median(timed_rounds({"fn": fn}, budget_s, min_reps, max_reps)["fn"])
+
+
+def timed_rounds(
+    fns: dict[str, Callable[[], Any]], budget_s: float, min_reps: int, max_reps: int
+) -> dict[str, list[float]]:
+    """Seconds of each function per round, after one untimed run of each. A round runs every function
+    once, back to back, starting with a different one each round: a slow spell on a shared machine
+    then slows all of them alike, and per-round ratios stay comparable."""
+    for fn in fns.values():
         fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+    names = list(fns)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    started = time.perf_counter()
+    rounds = 0
+    while rounds < max_reps and (rounds < min_reps or time.perf_counter() - started < budget_s * len(names)):
+        for name in names[rounds % len(names) :] + names[: rounds % len(names)]:
+            t = time.perf_counter()
+            fns[name]()
+            times[name].append(time.perf_counter() - t)
+        rounds += 1
+    return times
 
 
 def copy_bandwidth() -> float:
@@ -260,12 +275,13 @@ def main(argv: list[str] | None = None) -> int:
                 case = make(rng, shapes[size], dtype)
                 fns = {b: backend_call(c, case) for b, c in clients.items()}
                 fns["torch"] = case.torch_fn
-                ms = {k: timed(fn, budget, min_reps, max_reps) * 1e3 for k, fn in fns.items()}
+                times = timed_rounds(fns, budget, min_reps, max_reps)
+                ms = {k: statistics.median(t) * 1e3 for k, t in times.items()}
                 peaks = {k: peak_extra_mib(fn) for k, fn in fns.items()}
                 ws, executor = clients["cpu"].get_workspace_size(case.op, **case.params)
                 clients["cpu"].destroy_executor(executor)
                 row = [f"{ms[b]:.2f}" for b in (*BACKENDS, "torch")]
-                row += [f"{ms[b] / ms['torch']:.2f}×" for b in BACKENDS]
+                row += [f"{statistics.median(np.divide(times[b], times['torch'])):.2f}×" for b in BACKENDS]
                 bound_ms = traffic_bytes(case.params) / bandwidth * 1e3
                 row += [f"{bound_ms:.2f}", f"{ms['cpu'] / bound_ms:.2f}×"]
                 row += [f"{ws / 2**20:.1f}"] + [f"{peaks[k]:.0f}" for k in (*BACKENDS, "torch")]
