@@ -227,13 +227,35 @@ def flat(a: np.ndarray) -> tuple[np.ndarray, tuple[int, ...]] | None:
     array (vectorized), any other row is gathered into a row buffer. None when a stride is
     negative or not a whole number of elements (the caller then copies or falls back).
     """
+    strides = element_strides(a)
+    if strides is None:
+        return None
+    if a.flags.c_contiguous:  # the common case: a plain view (as_strided costs ~5 µs a call)
+        base = a.reshape(-1)
+        base.flags.writeable = False
+    else:
+        span = 1 + sum((d - 1) * s for d, s in zip(a.shape, strides)) if a.size else 0
+        base = np.lib.stride_tricks.as_strided(a, shape=(span,), strides=(a.dtype.itemsize,), writeable=False)
+    return base, strides
+
+
+def element_strides(a: np.ndarray) -> tuple[int, ...] | None:
+    """`flat`'s element strides (0 for dims of size 1), or None when it would return None."""
     itemsize = a.dtype.itemsize
     if any(d > 1 and (s < 0 or s % itemsize) for d, s in zip(a.shape, a.strides)):
         return None
-    strides = tuple(s // itemsize if d > 1 else 0 for d, s in zip(a.shape, a.strides))
-    span = 1 + sum((d - 1) * s for d, s in zip(a.shape, strides)) if a.size else 0
-    base = np.lib.stride_tricks.as_strided(a, shape=(span,), strides=(itemsize,), writeable=False)
-    return base, strides
+    return tuple(s // itemsize if d > 1 else 0 for d, s in zip(a.shape, a.strides))
+
+
+def kernel_ready(a: np.ndarray, shape: tuple[int, ...]) -> np.ndarray | None:
+    """`a` as a view of `shape` that the kernels can index, or None (its dims do not merge into
+    that shape without a copy, or a stride is negative or not a whole number of elements)."""
+    v = a.view()
+    try:
+        v.shape = shape
+    except AttributeError:
+        return None
+    return v if element_strides(v) is not None else None
 
 
 def probe(desc: Any) -> np.ndarray:

@@ -23,7 +23,21 @@ import numpy as np
 from numba import prange, types
 
 from ...registry import Plan
-from ._jit import F32, FLOAT_DTYPES, STORAGE, array, flat, gather_len, kernel_view, lazy_njit, load, narrow, probe, row
+from ._jit import (
+    F32,
+    FLOAT_DTYPES,
+    STORAGE,
+    array,
+    flat,
+    gather_len,
+    kernel_ready,
+    kernel_view,
+    lazy_njit,
+    load,
+    narrow,
+    probe,
+    row,
+)
 from ._reduce import LANES, row_sums
 
 
@@ -164,15 +178,6 @@ def kernel_shape(shape: tuple[int, ...], axis: int) -> tuple[int, ...]:
     """[L, C] for channel-last tensors (T = 1 and several channels: rows of channels), else [L, C, T]."""
     n_l, n_c, n_t = lct(shape, axis)
     return (n_l, n_c) if n_t == 1 and n_c > 1 else (n_l, n_c, n_t)
-
-
-def kernel_ready(a: np.ndarray, shape: tuple[int, ...]) -> np.ndarray | None:
-    v = a.view()
-    try:
-        v.shape = shape
-    except AttributeError:
-        return None
-    return v if flat(v) is not None else None
 
 
 def handles(plan: Plan) -> bool:

@@ -14,8 +14,21 @@ from numba import prange, types
 
 from ...ops.batch_norm_elemt_backward import counter_total
 from ...registry import Plan
-from ._jit import FLOAT_DTYPES, STORAGE, array, flat, gather_len, kernel_view, lazy_njit, load, narrow, probe, row
-from .batch_norm_backward import kernel_ready, lct
+from ._jit import (
+    FLOAT_DTYPES,
+    STORAGE,
+    array,
+    flat,
+    gather_len,
+    kernel_ready,
+    kernel_view,
+    lazy_njit,
+    load,
+    narrow,
+    probe,
+    row,
+)
+from .batch_norm_backward import lct
 
 
 def _signatures():

@@ -17,7 +17,21 @@ import numpy as np
 from numba import prange, types
 
 from ...registry import Plan
-from ._jit import F32, FLOAT_DTYPES, STORAGE, array, flat, gather_len, kernel_view, lazy_njit, load, narrow, probe, row
+from ._jit import (
+    F32,
+    FLOAT_DTYPES,
+    STORAGE,
+    array,
+    flat,
+    gather_len,
+    kernel_ready,
+    kernel_view,
+    lazy_njit,
+    load,
+    narrow,
+    probe,
+    row,
+)
 from ._reduce import LANES, row_sums
 
 MAX_BLOCK_ROWS = 128  # rows per task at most: the fp32 column partials sum this many rows
@@ -135,16 +149,6 @@ def compute_rows(g2, x2, mean, rstd, w, dx2, want_cols: bool):
     return part_g.sum(axis=0, dtype=np.float64), part_gx.sum(axis=0, dtype=np.float64)
 
 
-def kernel_ready(a: np.ndarray, m: int, n: int) -> np.ndarray | None:
-    """`a` as an [m, n] view the kernel can index, or None (leading dims do not merge, odd strides)."""
-    v = a.view()
-    try:
-        v.shape = (m, n)
-    except AttributeError:
-        return None
-    return v if flat(v) is not None else None
-
-
 def rows_of(plan: Plan) -> tuple[int, int]:
     n = math.prod(plan.values["normalizedShape"])
     x = plan.inputs["input"]
@@ -153,7 +157,7 @@ def rows_of(plan: Plan) -> tuple[int, int]:
 
 def handles(plan: Plan) -> bool:
     m, n = rows_of(plan)
-    return all(kernel_ready(probe(plan.inputs[name]), m, n) is not None for name in ("gradOut", "input"))
+    return all(kernel_ready(probe(plan.inputs[name]), (m, n)) is not None for name in ("gradOut", "input"))
 
 
 def workspace_size(plan: Plan) -> int:
@@ -163,7 +167,7 @@ def workspace_size(plan: Plan) -> int:
 
 def compute(plan: Plan, args: dict[str, Any]) -> None:
     m, n = rows_of(plan)
-    g2, x2 = kernel_ready(args["gradOut"], m, n), kernel_ready(args["input"], m, n)
+    g2, x2 = kernel_ready(args["gradOut"], (m, n)), kernel_ready(args["input"], (m, n))
     dx, dw, db = args["gradInputOut"], args["gradWeightOut"], args["gradBiasOut"]
     want_cols = dw is not None or db is not None
     if m * n:

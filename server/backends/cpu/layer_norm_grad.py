@@ -16,8 +16,8 @@ import numpy as np
 
 from ...ops.layer_norm_grad import EPSILON, normalization_start
 from ...registry import Plan
-from ._jit import probe
-from .layer_norm_backward import compute_rows, kernel_ready, scratch_bytes
+from ._jit import kernel_ready, probe
+from .layer_norm_backward import compute_rows, scratch_bytes
 
 
 def geometry(plan: Plan) -> tuple[int, int, int]:
@@ -31,7 +31,7 @@ def handles(plan: Plan) -> bool:
     m, n, g = geometry(plan)
     if g == 0 or n % g:
         return False
-    return all(kernel_ready(probe(plan.inputs[name]), m, n) is not None for name in ("dy", "x"))
+    return all(kernel_ready(probe(plan.inputs[name]), (m, n)) is not None for name in ("dy", "x"))
 
 
 def workspace_size(plan: Plan) -> int:
@@ -41,7 +41,7 @@ def workspace_size(plan: Plan) -> int:
 
 def compute(plan: Plan, args: dict[str, Any]) -> None:
     m, n, g = geometry(plan)
-    dy, x = kernel_ready(args["dy"], m, n), kernel_ready(args["x"], m, n)
+    dy, x = kernel_ready(args["dy"], (m, n)), kernel_ready(args["x"], (m, n))
     pd_x, pd_gamma, pd_beta = args["pd_x"], args["pd_gamma"], args["pd_beta"]
     want_cols = pd_gamma is not None or pd_beta is not None
     if m * n:
