@@ -60,16 +60,38 @@ class BoundCall:
     def write_outputs(self, results: Mapping[str, Any]) -> None:
         """Writes each result into its output's view; checks every target before writing any.
 
-        A result is an array, or anything with shape, dtype and write_into(view) (a download
-        that streams straight into the caller's memory).
+        A result is an array (already in place when it is the view itself: see `destinations`),
+        or anything with shape, dtype and write_into(view) (a download that streams straight
+        into the caller's memory).
         """
         views = {name: _output_view(name, self.output_targets.get(name), r) for name, r in results.items()}
         for name, view in views.items():
             result = results[name]
-            if isinstance(result, np.ndarray):
-                view[...] = result
-            else:
+            if not isinstance(result, np.ndarray):
                 result.write_into(view)
+            elif not _same_elements(view, result):
+                view[...] = result
+
+    def destinations(self) -> dict[str, np.ndarray]:
+        """The caller's output arrays, for an in-process backend to compute straight into; empty
+        unless every output can take that: writeable, C-contiguous and aligned (what a backend
+        allocates itself), sharing no memory with an input or another output. All or none, so
+        that a call whose last output is refused has written nothing to the others."""
+        views: dict[str, np.ndarray] = {}
+        for name, target in self.output_targets.items():
+            try:
+                view = target if isinstance(target, np.ndarray) else _storage_view(name, target)
+            except AclnnError:
+                return {}
+            if not (view.flags.writeable and view.flags.c_contiguous and view.flags.aligned):
+                return {}
+            views[name] = view
+        inputs = [t.data for t in self.inputs().values() if isinstance(t.data, np.ndarray)]
+        for name, view in views.items():
+            others = [v for n, v in views.items() if n != name]
+            if any(np.may_share_memory(view, other) for other in inputs + others):
+                return {}
+        return views
 
 
 def bind(op: str, params: Mapping[str, Any], output_names: frozenset[str]) -> BoundCall:
@@ -79,6 +101,10 @@ def bind(op: str, params: Mapping[str, Any], output_names: frozenset[str]) -> Bo
     for name in targets:
         values[name] = values[name].without_data()
     return BoundCall(op, values, targets)
+
+
+def _same_elements(a: np.ndarray, b: np.ndarray) -> bool:
+    return a.__array_interface__["data"][0] == b.__array_interface__["data"][0] and a.strides == b.strides
 
 
 def _output_view(name: str, target: Any, result: Any) -> np.ndarray:

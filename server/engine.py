@@ -96,11 +96,16 @@ class Engine:
         return workspace_size, self.executors.add(operator, plan, workspace_size, data, call.owner)
 
     def execute(
-        self, executor_id: str, inputs: Mapping[str, Any], call: CallContext | None = None
+        self,
+        executor_id: str,
+        inputs: Mapping[str, Any],
+        call: CallContext | None = None,
+        destinations: Mapping[str, np.ndarray] | None = None,
     ) -> dict[str, np.ndarray]:
         """Runs an executor; `inputs` holds storage bytes that override those sent with the plan.
 
         A call refused for its bytes, or by admission, does not spend a single-use executor.
+        `destinations`: arrays to compute the outputs straight into (see `_compute`).
         """
         call = call or CallContext()
         entry = self.executors.get(executor_id, call.owner)
@@ -109,16 +114,20 @@ class Engine:
             entry, args = self.executors.begin_execute(
                 executor_id, lambda e: self._bind_inputs(e.operator, e.plan, e.data, inputs), call.owner
             )
-            return self._compute(entry.operator, entry.plan, args, call)
+            return self._compute(entry.operator, entry.plan, args, call, destinations)
 
     def run(
-        self, op: str, values: Mapping[str, Value], call: CallContext | None = None
+        self,
+        op: str,
+        values: Mapping[str, Value],
+        call: CallContext | None = None,
+        destinations: Mapping[str, np.ndarray] | None = None,
     ) -> tuple[int, dict[str, np.ndarray]]:
         call = call or CallContext()
         operator, plan, workspace_size = self._plan(op, values, call)
         args = self._bind_inputs(operator, plan, {name: values[name].data for name in plan.inputs}, {})
         with self._admitted(plan, workspace_size, call):
-            return workspace_size, self._compute(operator, plan, args, call)
+            return workspace_size, self._compute(operator, plan, args, call, destinations)
 
     def set_executor_repeatable(self, executor_id: str, call: CallContext | None = None) -> None:
         self.executors.set_repeatable(executor_id, (call or CallContext()).owner)
@@ -217,10 +226,25 @@ class Engine:
         return args
 
     def _compute(
-        self, operator: Operator, plan: Plan, args: dict[str, Any], call: CallContext
+        self,
+        operator: Operator,
+        plan: Plan,
+        args: dict[str, Any],
+        call: CallContext,
+        destinations: Mapping[str, np.ndarray] | None = None,
     ) -> dict[str, np.ndarray]:
-        """Computes into fresh arrays: a call that fails returns nothing, so nothing is written."""
-        outputs = {name: np.empty(desc.shape, desc.dtype) for name, desc in plan.outputs.items()}
+        """Computes into fresh arrays, so that a call that fails has written nothing; or, in process,
+        into `destinations` when they are exactly every output's shape and dtype. Every failure a
+        caller can cause comes before this point; only a backend's own fault could stop it midway.
+        """
+        given = destinations or {}
+        in_place = all(
+            name in given and given[name].shape == desc.shape and given[name].dtype == desc.dtype
+            for name, desc in plan.outputs.items()
+        )
+        outputs = {
+            name: given[name] if in_place else np.empty(desc.shape, desc.dtype) for name, desc in plan.outputs.items()
+        }
         for spec in operator.signature.params:
             if spec.kind is Kind.TENSOR:
                 args.setdefault(spec.name, outputs.get(spec.name))

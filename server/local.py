@@ -37,12 +37,15 @@ class LocalClient(BaseClient):
     def _get_workspace_size(self, op: str, values: Mapping[str, Value]) -> tuple[int, str]:
         return self.engine.get_workspace_size(op, values)
 
+    # In process, results are computed straight into the caller's arrays when they allow it
+    # (BoundCall.destinations): no second full-size array, no copy.
     def _execute(self, executor: Executor, stream: int | None) -> None:
-        data = {name: t.data for name, t in executor.call.inputs().items()}
-        executor.call.write_outputs(self.engine.execute(executor.id, data, CallContext(stream=stream)))
+        call = executor.call
+        data = {name: t.data for name, t in call.inputs().items()}
+        call.write_outputs(self.engine.execute(executor.id, data, CallContext(stream=stream), call.destinations()))
 
     def _run(self, call: BoundCall, stream: int | None) -> None:
-        call.write_outputs(self.engine.run(call.op, call.values, CallContext(stream=stream))[1])
+        call.write_outputs(self.engine.run(call.op, call.values, CallContext(stream=stream), call.destinations())[1])
 
     def _set_executor_repeatable(self, executor_id: str) -> None:
         self.engine.set_executor_repeatable(executor_id)
