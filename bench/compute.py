@@ -5,7 +5,7 @@
 
 For every operator, shape and dtype (fp32/fp16/bf16) it times, in this process and warm:
   * each backend through LocalClient: get_workspace_size + execute (validation, executor,
-    input views, output allocation and the compute itself);
+    input views and the compute itself, into the case's preallocated output arrays);
   * PyTorch CPU on the same arrays: aten.native_layer_norm_backward / native_batch_norm_backward
     (LayerNormGrad: its rstd from variance, then native_layer_norm_backward; ElemtBackward,
     which has no CPU aten op: the same formula as composed torch ops);

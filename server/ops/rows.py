@@ -229,7 +229,7 @@ def widened(a: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
 def store(out: np.ndarray, values: np.ndarray, scratch: np.ndarray | None = None) -> None:
     """Writes an fp32 block into `out` in out's dtype, rounded to nearest even; clobbers `values`.
 
-    fp16 rounding needs a block of scratch: `scratch` (fp32, values' shape) when given.
+    fp16 rounding needs a block of scratch: `scratch` (fp32, C-ordered, values' shape) when given.
     """
     if out.dtype != np.float16:
         out[...] = values
