@@ -144,10 +144,14 @@ def channel_sums(tile: np.ndarray) -> np.ndarray:
     return column_sums(tile[:, :, 0] if tile.shape[2] == 1 else tile.sum(axis=2))
 
 
-def parallel_items(shape: tuple[int, int, int]) -> int:
-    """What the threads share out: whole channel chunks when each is one tile, else a chunk's tiles."""
-    chunks = [len(chunk) for chunk in channel_chunks(shape)]
-    return len(chunks) if max(chunks, default=1) == 1 else max(chunks)
+def whole_channels(chunks: list[list[tuple[slice, slice, slice]]]) -> bool:
+    """Every chunk is one tile: a thread then takes both passes of a chunk, else each pass's tiles."""
+    return all(len(chunk) == 1 for chunk in chunks)
+
+
+def parallel_items(chunks: list[list[tuple[slice, slice, slice]]]) -> int:
+    """What the threads share out: the chunks, or the tiles of the largest chunk."""
+    return len(chunks) if whole_channels(chunks) else max(len(chunk) for chunk in chunks)
 
 
 def workspace_size(plan: Plan) -> int:
@@ -159,7 +163,7 @@ def workspace_size(plan: Plan) -> int:
     if not x.numel:
         return (8 * 4 + 4 * 6) * shape[1]
     l, c, t = tile_shape(shape)
-    workers = workers_for(parallel_items(shape))
+    workers = workers_for(parallel_items(list(channel_chunks(shape))))
     return workers * (4 * 4 * l * c * t + 2 * 8 * NUMPY_BUFFER) + (8 * 4 + 4 * 6) * shape[1] + (workers + 2) * 16 * c
 
 
@@ -179,9 +183,9 @@ class ChannelPasses:
 
     def run(self) -> None:
         chunks = list(channel_chunks(self.x.shape))
-        workers = workers_for(parallel_items(self.x.shape))
+        workers = workers_for(parallel_items(chunks))
         scratch = np.empty((workers, 3, math.prod(tile_shape(self.x.shape))), np.float32)  # g, x − μ, product
-        if all(len(chunk) == 1 for chunk in chunks):  # whole channels: a thread takes both passes of a chunk
+        if whole_channels(chunks):
             for _ in in_order(self.whole_chunk, chunks, scratch):
                 pass
             return
