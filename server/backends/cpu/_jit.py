@@ -29,6 +29,8 @@ from numba.core import types
 from numba.core.errors import NumbaIRAssumptionWarning
 from numba.extending import intrinsic, overload
 
+from ...registry import Plan
+
 F32, F16, BF16 = 0, 1, 2  # the `kind` of an array the kernels read or write
 # What a kernel sees for FLOAT, FLOAT16 and BF16 data: the element type picks the conversion.
 STORAGE = (np.float32, np.uint16, np.int16)
@@ -263,3 +265,9 @@ def probe(desc: Any) -> np.ndarray:
     itemsize = desc.dtype.itemsize
     strides = tuple(s * itemsize if d > 1 else 0 for d, s in zip(desc.shape, desc.strides))
     return np.lib.stride_tricks.as_strided(np.zeros(1, desc.dtype), desc.shape, strides, writeable=False)
+
+
+def views_ready(plan: Plan, names: tuple[str, ...], shape: tuple[int, ...]) -> bool:
+    """Whether the kernels can take the named inputs as views of `shape` (`kernel_ready`), judged
+    from their descriptors before any data arrives (a kernel module's `handles`)."""
+    return all(kernel_ready(probe(plan.inputs[name]), shape) is not None for name in names)

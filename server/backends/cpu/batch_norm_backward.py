@@ -35,8 +35,8 @@ from ._jit import (
     lazy_njit,
     load,
     narrow,
-    probe,
     row,
+    views_ready,
 )
 from ._reduce import LANES, row_sums
 
@@ -182,7 +182,7 @@ def kernel_shape(shape: tuple[int, ...], axis: int) -> tuple[int, ...]:
 
 def handles(plan: Plan) -> bool:
     shape = kernel_shape(plan.inputs["input"].shape, plan.values["channel_axis"])
-    return all(kernel_ready(probe(plan.inputs[name]), shape) is not None for name in ("gradOut", "input"))
+    return views_ready(plan, ("gradOut", "input"), shape)
 
 
 def workspace_size(plan: Plan) -> int:

@@ -25,8 +25,8 @@ from ._jit import (
     lazy_njit,
     load,
     narrow,
-    probe,
     row,
+    views_ready,
 )
 from .batch_norm_backward import lct
 
@@ -70,7 +70,7 @@ def handles(plan: Plan) -> bool:
     if plan.inputs["gradOut"].dtype != plan.inputs["input"].dtype:
         return False
     shape = lct(plan.inputs["input"].shape, 1)
-    return all(kernel_ready(probe(plan.inputs[name]), shape) is not None for name in ("gradOut", "input"))
+    return views_ready(plan, ("gradOut", "input"), shape)
 
 
 def workspace_size(plan: Plan) -> int:

@@ -29,8 +29,8 @@ from ._jit import (
     lazy_njit,
     load,
     narrow,
-    probe,
     row,
+    views_ready,
 )
 from ._reduce import LANES, row_sums
 
@@ -157,7 +157,7 @@ def rows_of(plan: Plan) -> tuple[int, int]:
 
 def handles(plan: Plan) -> bool:
     m, n = rows_of(plan)
-    return all(kernel_ready(probe(plan.inputs[name]), (m, n)) is not None for name in ("gradOut", "input"))
+    return views_ready(plan, ("gradOut", "input"), (m, n))
 
 
 def workspace_size(plan: Plan) -> int:

@@ -16,7 +16,7 @@ import numpy as np
 
 from ...ops.layer_norm_grad import EPSILON, normalization_start
 from ...registry import Plan
-from ._jit import kernel_ready, probe
+from ._jit import kernel_ready, views_ready
 from .layer_norm_backward import compute_rows, scratch_bytes
 
 
@@ -31,7 +31,7 @@ def handles(plan: Plan) -> bool:
     m, n, g = geometry(plan)
     if g == 0 or n % g:
         return False
-    return all(kernel_ready(probe(plan.inputs[name]), (m, n)) is not None for name in ("dy", "x"))
+    return views_ready(plan, ("dy", "x"), (m, n))
 
 
 def workspace_size(plan: Plan) -> int:
