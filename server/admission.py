@@ -1,15 +1,16 @@
-"""Admission control: bounded concurrency, a bounded wait queue, a memory budget, deadlines."""
+"""Admission control: bounded concurrency, one call at a time per stream, memory from the ledger,
+a bounded wait queue, deadlines and cancellation."""
 
 from __future__ import annotations
 
 import contextlib
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 
 from aclnn_client.errors import Status
 
 from .executors import CapacityError
+from .ledger import Hold, MemoryLedger
 
 
 class CallAbandoned(Exception):
@@ -21,56 +22,79 @@ class CallAbandoned(Exception):
 
 
 class Admission:
-    """At most `max_concurrency` executions at once, holding at most `memory_budget` bytes
-    between them; up to `max_queue` more wait their turn, the rest are refused at once."""
+    """At most `max_concurrency` executions at once, each holding its bytes in the ledger, and
+    never two of one stream at once; up to `max_queue` more wait their turn (for a slot, their
+    stream or memory), the rest are refused at once."""
 
     # How often a waiting call looks at its caller's cancellation.
     _POLL_S = 0.05
+    # A call without a deadline waits this long at most for memory or a slot, then is refused.
+    MAX_WAIT_S = 60.0
 
-    def __init__(self, max_concurrency: int, max_queue: int, memory_budget: int) -> None:
-        self.max_concurrency, self.max_queue, self.memory_budget = max_concurrency, max_queue, memory_budget
-        self.running = self.waiting = self.bytes_held = 0
-        self._cond = threading.Condition()
+    def __init__(self, max_concurrency: int, max_queue: int, ledger: MemoryLedger) -> None:
+        self.max_concurrency, self.max_queue, self.ledger = max_concurrency, max_queue, ledger
+        self.running = self.waiting = 0
+        self._busy_streams: set[Hashable] = set()
+        self._cond = ledger.condition  # a release in the ledger wakes waiting calls
 
-    def _fits(self, nbytes: int) -> bool:
-        # A call alone may use the whole budget: the engine already refused calls larger than it.
-        return self.running < self.max_concurrency and (
-            self.running == 0 or self.bytes_held + nbytes <= self.memory_budget
-        )
+    def _slot_free(self, stream: Hashable | None) -> bool:
+        return self.running < self.max_concurrency and (stream is None or stream not in self._busy_streams)
+
+    def _try_start(self, owner: str | None, nbytes: int, stream: Hashable | None) -> Hold | None:
+        return self.ledger.try_reserve(owner, nbytes, "call") if self._slot_free(stream) else None
 
     @contextlib.contextmanager
     def slot(
-        self, nbytes: int, deadline: float | None = None, cancelled: Callable[[], bool] = lambda: False
-    ) -> Iterator[float]:
-        """Holds an execution slot for the block; yields the seconds spent waiting for it."""
+        self,
+        nbytes: int,
+        owner: str | None = None,
+        stream: Hashable | None = None,
+        deadline: float | None = None,
+        cancelled: Callable[[], bool] = lambda: False,
+    ) -> Iterator[tuple[float, Hold]]:
+        """Holds an execution slot and `nbytes` of memory for the block; yields (seconds waited, the hold)."""
         started = time.monotonic()
+        self.ledger.check_possible(nbytes, "op")
+        give_up = min(deadline if deadline is not None else float("inf"), started + self.MAX_WAIT_S)
         with self._cond:
-            if not self._fits(nbytes):
+            hold = self._try_start(owner, nbytes, stream)
+            if hold is None:
                 if self.waiting >= self.max_queue:
-                    raise CapacityError(
-                        Status.INNER_CREATE_EXECUTOR,
-                        f"server busy: {self.running} running, {self.waiting} queued (max {self.max_queue}); "
-                        "retry shortly",
-                        "op",
-                    )
+                    raise self._busy()
                 self.waiting += 1
                 try:
-                    while not self._fits(nbytes):
+                    while hold is None:
                         self._check_alive(deadline, cancelled)
-                        remaining = self._POLL_S if deadline is None else min(self._POLL_S, deadline - time.monotonic())
-                        self._cond.wait(max(remaining, 0.0))
+                        if self._slot_free(stream) and not self.ledger.waiting_helps(owner, nbytes):
+                            raise self.ledger.refusal(owner, nbytes, "op")  # no running call will free it
+                        if time.monotonic() >= give_up:
+                            raise self._busy()
+                        self._cond.wait(max(min(self._POLL_S, give_up - time.monotonic()), 0.0))
+                        hold = self._try_start(owner, nbytes, stream)
                 finally:
                     self.waiting -= 1
-            self._check_alive(deadline, cancelled)
+            try:
+                self._check_alive(deadline, cancelled)
+            except CallAbandoned:
+                hold.release()
+                raise
             self.running += 1
-            self.bytes_held += nbytes
+            if stream is not None:
+                self._busy_streams.add(stream)
         try:
-            yield time.monotonic() - started
+            yield time.monotonic() - started, hold
         finally:
             with self._cond:
                 self.running -= 1
-                self.bytes_held -= nbytes
+                self._busy_streams.discard(stream)
                 self._cond.notify_all()
+
+    def _busy(self) -> CapacityError:
+        return CapacityError(
+            Status.INNER_CREATE_EXECUTOR,
+            f"server busy: {self.running} running, {self.waiting} queued (max {self.max_queue}); retry shortly",
+            "op",
+        )
 
     @staticmethod
     def _check_alive(deadline: float | None, cancelled: Callable[[], bool]) -> None:

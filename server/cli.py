@@ -21,6 +21,13 @@ from .transport.grpc_server import create_server
 log = logging.getLogger("aclnn_server")
 
 
+# Defaults worked out when the server starts.
+_COMPUTED_DEFAULTS = {
+    "memory_budget_bytes": "half of the memory limit (cgroup memory.max or RAM)",
+    "max_tenant_bytes": "half of the budget",
+}
+
+
 def build_parser() -> argparse.ArgumentParser:
     """One flag per ServerOptions field; flags not given fall through to the environment and file."""
     parser = argparse.ArgumentParser(
@@ -37,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     for name, field in ServerOptions.model_fields.items():
         flag = "--" + name.replace("_", "-")
-        default = "half of RAM" if name == "memory_budget_bytes" else field.default
+        default = _COMPUTED_DEFAULTS.get(name, field.default)
         text = f"{field.description} (env ACLNN_{name.upper()}; default: {default})"
         if field.annotation is bool:
             parser.add_argument(flag, action="store_true", default=argparse.SUPPRESS, help=text)

@@ -53,8 +53,15 @@ class ServerOptions(BaseSettings):
     max_concurrency: int = Field(2, ge=1, description="operator executions running at once")
     max_queue: int = Field(64, ge=0, description="executions waiting for a slot; beyond: RESOURCE_EXHAUSTED")
     memory_budget_bytes: int | None = Field(
-        None, ge=1, description="bytes the running calls' tensors and workspaces may hold (default: half of RAM)"
+        None,
+        ge=1,
+        description="bytes the server may hold for callers: messages, uploads, kept results, executor data, "
+        "outputs and workspaces (default: half of the memory limit, the cgroup's or RAM)",
     )
+    max_tenant_bytes: int | None = Field(
+        None, ge=1, description="bytes of the budget one identity may hold at once (default: half of the budget)"
+    )
+    max_tenant_executors: int = Field(1024, ge=1, description="executors one identity may hold at once")
     executor_ttl_s: float = Field(300.0, gt=0, description="seconds before a never-executed executor expires")
     max_executors: int = Field(4096, ge=1, description="executors alive at once")
     session_ttl_s: float = Field(

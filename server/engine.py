@@ -9,7 +9,6 @@ import logging
 import os
 import threading
 import time
-import weakref
 from collections.abc import Callable, Hashable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,6 +21,7 @@ from aclnn_client.tensor import BoolArray, IntArray, Tensor, Value
 from .admission import Admission
 from .backends import Backend, create_backend
 from .executors import ExecutorStore
+from .ledger import Hold, MemoryLedger
 from .ops import OPERATORS
 from .params import CallParams, Kind
 from .registry import Operator, Plan
@@ -29,12 +29,41 @@ from .registry import Operator, Plan
 log = logging.getLogger("aclnn_server")
 
 
-def default_memory_budget() -> int:
-    """Half of physical memory: the most one call's tensors may claim."""
+def memory_limit() -> int:
+    """The memory this process may use: its cgroup's limit (v2 or v1) when it has one, else physical RAM."""
     try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
+        limit = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError):
-        return 8 << 30
+        limit = 16 << 30
+    for path in _cgroup_limit_files():
+        try:
+            text = open(path).read().strip()
+        except OSError:
+            continue
+        if text.isdigit():  # "max" (v2) means no limit; v1 spells it as a huge number, which min() ignores
+            limit = min(limit, int(text))
+    return limit
+
+
+def _cgroup_limit_files() -> list[str]:
+    """memory.max of this process's cgroup (v2), and memory.limit_in_bytes (v1)."""
+    files = ["/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"]
+    try:
+        for line in open("/proc/self/cgroup").read().splitlines():
+            _, controllers, path = line.split(":", 2)
+            if controllers == "" and path != "/":
+                files.append(f"/sys/fs/cgroup{path}/memory.max")
+            elif "memory" in controllers.split(",") and path != "/":
+                files.append(f"/sys/fs/cgroup/memory{path}/memory.limit_in_bytes")
+    except (OSError, ValueError):
+        pass
+    return files
+
+
+def default_memory_budget() -> int:
+    """Half of the memory limit (cgroup or RAM): the other half is the process's own headroom
+    (interpreter, libraries, gRPC's buffers for messages not yet handed to the service)."""
+    return memory_limit() // 2
 
 
 @dataclass
@@ -48,6 +77,9 @@ class CallContext:
     deadline: float | None = None  # time.monotonic() after which the work is not started
     cancelled: Callable[[], bool] = field(default=lambda: False)
     op: str = ""
+    # Set by a transport that sends results after the engine returns: the outputs' memory stays held
+    # (in these holds) until the reply is gone. None: the engine releases everything itself.
+    holds: list[Hold] | None = None
     bytes_in: int = 0  # bytes a streaming call moved (unary calls measure their messages)
     bytes_out: int = 0
     queue_s: float = 0.0
@@ -65,6 +97,8 @@ class Engine:
         executor_ttl_s: float = 300.0,
         max_executors: int = 4096,
         memory_budget_bytes: int | None = None,
+        max_tenant_bytes: int | None = None,
+        max_tenant_executors: int | None = None,
         max_result_bytes: int | None = None,
         max_concurrency: int = 2,
         max_queue: int = 64,
@@ -74,13 +108,12 @@ class Engine:
         if isinstance(backend, str):
             backend = create_backend(backend, device=device, torch_device=torch_device)
         self.backend = backend
-        self.executors = ExecutorStore(executor_ttl_s, max_executors)
+        self.executors = ExecutorStore(executor_ttl_s, max_executors, max_tenant_executors or max_executors)
         self.memory_budget_bytes = memory_budget_bytes or default_memory_budget()
+        self.ledger = MemoryLedger(self.memory_budget_bytes, max_tenant_bytes)
         # A transport that returns results in one message caps their size (None: no cap).
         self.max_result_bytes = max_result_bytes
-        self.admission = Admission(max_concurrency, max_queue, self.memory_budget_bytes)
-        self._streams: weakref.WeakValueDictionary[tuple, _StreamLock] = weakref.WeakValueDictionary()
-        self._streams_lock = threading.Lock()
+        self.admission = Admission(max_concurrency, max_queue, self.ledger)
         self._plans = PlanCache()
 
     @property
@@ -93,7 +126,16 @@ class Engine:
         call = call or CallContext()
         operator, plan, workspace_size = self._plan(op, values, call)
         data = {name: values[name].data for name in plan.inputs if values[name].data is not None}
-        return workspace_size, self.executors.add(operator, plan, workspace_size, data, call.owner)
+        # Bytes shipped with the plan live as long as the executor: they are its owner's to hold.
+        nbytes = sum(memoryview(d).nbytes for d in data.values() if not isinstance(d, memoryview | np.ndarray))
+        hold = self.ledger.reserve(call.owner, nbytes, "executor", next(iter(data), "op"))
+        try:
+            return workspace_size, self.executors.add(
+                operator, plan, workspace_size, data, call.owner, call.session, hold
+            )
+        except BaseException:
+            hold.release()
+            raise
 
     def execute(
         self,
@@ -137,7 +179,11 @@ class Engine:
 
     @contextlib.contextmanager
     def _admitted(self, plan: Plan, workspace_size: int, call: CallContext) -> Iterator[None]:
-        """An execution slot for the call's inputs, outputs and workspace (see Admission)."""
+        """An execution slot with memory for the call's outputs and workspace (see Admission).
+
+        Inputs are held already (in their message, upload or executor). The outputs stay held
+        after compute, in `call.holds`, when the transport sends them later.
+        """
         inline = [t for name, t in plan.outputs.items() if name not in call.placed]
         inline_bytes = sum(t.numel * t.dtype.itemsize for t in inline)
         if self.max_result_bytes is not None and inline_bytes > self.max_result_bytes:
@@ -146,22 +192,23 @@ class Engine:
                 f"results of {inline_bytes} bytes exceed the max message size of {self.max_result_bytes}: "
                 "keep them on the server (placements) or raise --max-message-bytes",
             )
-        held = workspace_size + sum(t.storage_nbytes for t in plan.inputs.values())
-        held += sum(t.numel * t.dtype.itemsize for t in plan.outputs.values())
-        with self._stream(call), self.admission.slot(held, call.deadline, call.cancelled) as waited:
+        output_bytes = sum(t.numel * t.dtype.itemsize for t in plan.outputs.values())
+        stream = None if call.stream is None else (call.owner, call.session, call.stream)
+        with self.admission.slot(workspace_size + output_bytes, call.owner, stream, call.deadline, call.cancelled) as (
+            waited,
+            hold,
+        ):
             call.queue_s += waited
-            yield
-
-    def _stream(self, call: CallContext) -> contextlib.AbstractContextManager:
-        """The lock that keeps one stream's calls from overlapping (clients submit them in order)."""
-        if call.stream is None:
-            return contextlib.nullcontext()
-        with self._streams_lock:
-            key = (call.owner, call.session, call.stream)
-            lock = self._streams.get(key)
-            if lock is None:
-                lock = self._streams[key] = _StreamLock()
-        return lock
+            try:
+                yield
+            except BaseException:
+                hold.release()
+                raise
+        hold.shrink(output_bytes)  # the workspace is free again
+        if call.holds is None:
+            hold.release()
+        else:
+            call.holds.append(hold)
 
     def _plan(self, op: str, values: Mapping[str, Value], call: CallContext) -> tuple[Operator, Plan, int]:
         """The error table's verdict (cached per descriptors), then the backend's workspace for it."""
@@ -191,17 +238,11 @@ class Engine:
         return operator, operator.validate(CallParams(operator.signature, values, tensors))
 
     def _check_budget(self, plan: Plan, workspace_size: int) -> None:
-        """A call may not claim more memory than the budget: no allocation sized by a client's whim."""
-        budget = self.memory_budget_bytes
+        """161002 for a call that could never fit one caller's memory: no allocation sized by a client's whim."""
         for t in [*plan.inputs.values(), *plan.outputs.values()]:
-            if t.numel * t.dtype.itemsize > budget:
-                raise invalid_error(t.name, f"a view of {t.numel} elements exceeds the server's memory budget")
+            self.ledger.check_possible(t.numel * t.dtype.itemsize, t.name)
         total = workspace_size + sum(t.numel * t.dtype.itemsize for t in plan.outputs.values())
-        if total > budget:
-            raise invalid_error(
-                next(iter(plan.outputs), "op"),
-                f"outputs and workspace need {total} bytes, above the server's memory budget of {budget}",
-            )
+        self.ledger.check_possible(total, next(iter(plan.outputs), "op"))
 
     @staticmethod
     def _bind_inputs(
@@ -312,16 +353,3 @@ class PlanCache:
             self._plans[key] = validated[0], dataclasses.replace(validated[1])
             if len(self._plans) > self.capacity:
                 self._plans.popitem(last=False)
-
-
-class _StreamLock:
-    """A lock that a weak dictionary can hold: it lives while some call uses its stream."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-
-    def __enter__(self) -> None:
-        self._lock.acquire()
-
-    def __exit__(self, *exc_info: object) -> None:
-        self._lock.release()

@@ -8,11 +8,14 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from aclnn_client.errors import AclnnError, Status, invalid_error
 
 from .registry import Operator, Plan
+
+if TYPE_CHECKING:
+    from .ledger import Hold
 
 T = TypeVar("T")
 
@@ -29,19 +32,35 @@ class ExecutorEntry:
     data: dict[str, Any]  # input storage shipped with GetWorkspaceSize
     created: float
     owner: str | None = None  # the principal that created it; others cannot see it
+    session: str | None = None  # the client session it ends with
+    hold: Hold | None = None  # the ledger's record of `data`
     repeatable: bool = False
     executed: bool = False
+    last_used: float = 0.0
 
 
 class ExecutorStore:
-    """Executors by id. Ids are random 128-bit tokens, so one client cannot guess another's."""
+    """Executors by id. Ids are random 128-bit tokens, so one client cannot guess another's.
+
+    An executor ends when destroyed, when its session ends (the client went away), or
+    `ttl_s` after its last use when it has no session; one never executed ends `ttl_s`
+    after its creation. Each owner may hold at most `max_per_owner` at once.
+    """
 
     # How many ended executors are remembered to say "already executed" rather than "unknown".
     _TOMBSTONES = 4096
 
-    def __init__(self, ttl_s: float, max_executors: int, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        ttl_s: float,
+        max_executors: int,
+        max_per_owner: int | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.ttl_s = ttl_s
         self.max_executors = max_executors
+        self.max_per_owner = max_per_owner or max_executors
+        self._per_owner: collections.Counter[str | None] = collections.Counter()
         self._clock = clock
         self._entries: dict[str, ExecutorEntry] = {}
         self._ended: collections.OrderedDict[str, str] = collections.OrderedDict()
@@ -53,19 +72,40 @@ class ExecutorStore:
             return len(self._entries)
 
     def add(
-        self, operator: Operator, plan: Plan, workspace_size: int, data: dict[str, Any], owner: str | None = None
+        self,
+        operator: Operator,
+        plan: Plan,
+        workspace_size: int,
+        data: dict[str, Any],
+        owner: str | None = None,
+        session: str | None = None,
+        hold: Hold | None = None,
     ) -> str:
         with self._lock:
             self._expire()
-            if len(self._entries) >= self.max_executors:
-                raise CapacityError(
-                    Status.INNER_CREATE_EXECUTOR,
-                    f"executor limit reached ({self.max_executors} live): execute or destroy executors, or use Run",
-                    "executor",
-                )
+            for count, limit, whose in (
+                (len(self._entries), self.max_executors, "live"),
+                (self._per_owner[owner], self.max_per_owner, "live for this caller"),
+            ):
+                if count >= limit:
+                    raise CapacityError(
+                        Status.INNER_CREATE_EXECUTOR,
+                        f"executor limit reached ({limit} {whose}): execute or destroy executors, or use Run",
+                        "executor",
+                    )
             executor_id = secrets.token_hex(16)
-            self._entries[executor_id] = ExecutorEntry(operator, plan, workspace_size, data, self._clock(), owner)
+            now = self._clock()
+            self._entries[executor_id] = ExecutorEntry(
+                operator, plan, workspace_size, data, now, owner, session, hold, last_used=now
+            )
+            self._per_owner[owner] += 1
             return executor_id
+
+    def end_session(self, session: str) -> None:
+        """Ends every executor of a session that ended (its lease lapsed: the client went away)."""
+        with self._lock:
+            for executor_id in [i for i, e in self._entries.items() if e.session == session]:
+                self._end(executor_id, "ended with its client session (the client went away)")
 
     def get(self, executor_id: str, owner: str | None = None) -> ExecutorEntry:
         with self._lock:
@@ -81,6 +121,7 @@ class ExecutorStore:
             if not entry.repeatable:
                 self._end(executor_id, "was already executed (executors are single-use unless made repeatable)")
             entry.executed = True
+            entry.last_used = self._clock()
             return entry, bound
 
     def set_repeatable(self, executor_id: str, owner: str | None = None) -> None:
@@ -106,13 +147,22 @@ class ExecutorStore:
         return entry
 
     def _end(self, executor_id: str, why: str) -> None:
-        del self._entries[executor_id]
+        entry = self._entries.pop(executor_id)
+        self._per_owner[entry.owner] -= 1
+        if not self._per_owner[entry.owner]:
+            del self._per_owner[entry.owner]
+        if entry.hold is not None:
+            entry.hold.release()
         self._ended[executor_id] = why
         while len(self._ended) > self._TOMBSTONES:
             self._ended.popitem(last=False)
 
     def _expire(self) -> None:
-        """Executors never executed expire ttl_s after creation."""
+        """Executors never executed expire ttl_s after creation; executed ones without a session
+        (nothing else would end them) ttl_s after their last use."""
         deadline = self._clock() - self.ttl_s
-        for executor_id in [i for i, e in self._entries.items() if not e.executed and e.created < deadline]:
-            self._end(executor_id, f"expired (never executed within {self.ttl_s:g} s)")
+        for executor_id, entry in list(self._entries.items()):
+            if not entry.executed and entry.created < deadline:
+                self._end(executor_id, f"expired (never executed within {self.ttl_s:g} s)")
+            elif entry.executed and entry.session is None and entry.last_used < deadline:
+                self._end(executor_id, f"expired (unused for {self.ttl_s:g} s, and it belongs to no session)")

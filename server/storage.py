@@ -2,7 +2,8 @@
 
 Both belong to a client session (the `x-aclnn-session` metadata, bound to the caller's
 identity). A session's lease is renewed by every call that names it; when it lapses
-(the client went away) its handles are freed and its regions unmapped.
+(the client went away) its handles are freed, its regions unmapped and its executors
+ended. Handle bytes are held in the memory ledger, against their owner's share.
 """
 
 from __future__ import annotations
@@ -18,9 +19,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from aclnn_client.errors import Status, invalid_error
+from aclnn_client.errors import invalid_error
 
-from .executors import CapacityError
+from .ledger import Hold, MemoryLedger
 
 _REGION_NAME = re.compile(r"[A-Za-z0-9_.-]{1,200}")
 SHM_DIR = "/dev/shm"
@@ -30,25 +31,33 @@ SHM_DIR = "/dev/shm"
 class Session:
     owner: str | None
     expires: float
-    handles: dict[str, memoryview] = field(default_factory=dict)
+    handles: dict[str, tuple[memoryview, Hold]] = field(default_factory=dict)
     regions: dict[str, mmap.mmap] = field(default_factory=dict)
 
 
 class Storage:
-    """Sessions with their handles and regions; handle bytes count against a budget."""
+    """Sessions with their handles and regions; handle bytes are held in the ledger."""
 
-    def __init__(self, session_ttl_s: float, budget_bytes: int, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        session_ttl_s: float,
+        ledger: MemoryLedger,
+        on_session_end: Callable[[str], None] = lambda session_id: None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.session_ttl_s = session_ttl_s
-        self.budget_bytes = budget_bytes
-        self.held_bytes = 0
+        self.ledger = ledger
+        self._on_session_end = on_session_end
         self._clock = clock
         self._sessions: dict[str, Session] = {}
         self._lock = threading.Lock()
 
     def reap(self) -> None:
-        """Frees the handles and unmaps the regions of sessions whose lease lapsed."""
+        """Frees the handles and unmaps the regions of sessions whose lease lapsed; ends their executors."""
         with self._lock:
-            self._reap()
+            ended = self._reap()
+        for session_id in ended:
+            self._on_session_end(session_id)
 
     def counts(self) -> tuple[int, int]:
         """(live handles, mapped regions) over all sessions."""
@@ -78,14 +87,16 @@ class Storage:
             with self._lock:
                 self._session(session_id, owner)
 
-    def _reap(self) -> None:
+    def _reap(self) -> list[str]:
         now = self._clock()
-        for session_id in [i for i, s in self._sessions.items() if s.expires < now]:
+        ended = [i for i, s in self._sessions.items() if s.expires < now]
+        for session_id in ended:
             self._close(self._sessions.pop(session_id))
+        return ended
 
     def _close(self, session: Session) -> None:
-        for buffer in session.handles.values():
-            self.held_bytes -= buffer.nbytes
+        for _, hold in session.handles.values():
+            hold.release()
         session.handles.clear()
         for region in session.regions.values():
             _unmap(region)
@@ -99,50 +110,39 @@ class Storage:
 
     # Handles ------------------------------------------------------------------------------
 
-    def reserve(self, session_id: str | None, owner: str | None, size: int) -> memoryview:
-        """A buffer for an upload of `size` bytes, within the budget.
+    def reserve(self, session_id: str | None, owner: str | None, size: int) -> tuple[memoryview, Hold]:
+        """A buffer for an upload of `size` bytes, held in the ledger (the caller releases the hold
+        if the upload fails).
 
         Not zeroed: an upload becomes a handle only once it filled every byte (and a large
         NumPy allocation is backed by huge pages, faulting in far faster than a bytearray).
         """
         with self._lock:
             self._session(session_id, owner)
-            if size > self.budget_bytes - self.held_bytes:
-                raise CapacityError(
-                    Status.INNER_CREATE_EXECUTOR,
-                    f"cannot hold {size} more bytes: {self.held_bytes} of {self.budget_bytes} are held by tensors",
-                    "chunk",
-                )
-            self.held_bytes += size
-        return memoryview(np.empty(size, np.uint8))
+        hold = self.ledger.reserve(owner, size, "upload", "chunk")
+        return memoryview(np.empty(size, np.uint8)), hold
 
-    def release(self, size: int) -> None:
-        """Returns a reservation that never became a handle (a failed upload)."""
-        with self._lock:
-            self.held_bytes -= size
-
-    def add_handle(self, session_id: str | None, owner: str | None, buffer: memoryview, reserved: bool) -> str:
+    def add_handle(self, session_id: str | None, owner: str | None, buffer: memoryview, hold: Hold) -> str:
+        """Keeps `buffer` as a handle of the session; `hold` (its bytes in the ledger) goes with it."""
         with self._lock:
             session = self._session(session_id, owner)
-            if not reserved:
-                self.held_bytes += buffer.nbytes
             handle = secrets.token_hex(16)
-            session.handles[handle] = buffer
+            session.handles[handle] = buffer, hold
             return handle
 
     def handle(self, session_id: str | None, owner: str | None, handle: str) -> memoryview:
         with self._lock:
-            buffer = self._session(session_id, owner).handles.get(handle)
-        if buffer is None:
+            kept = self._session(session_id, owner).handles.get(handle)
+        if kept is None:
             raise invalid_error("handle", f"tensor handle {handle[:8]}... is unknown or freed")
-        return buffer
+        return kept[0]
 
     def free_handle(self, session_id: str | None, owner: str | None, handle: str) -> None:
         with self._lock:
-            buffer = self._session(session_id, owner).handles.pop(handle, None)
-            if buffer is None:
-                raise invalid_error("handle", f"tensor handle {handle[:8]}... is unknown or freed")
-            self.held_bytes -= buffer.nbytes
+            kept = self._session(session_id, owner).handles.pop(handle, None)
+        if kept is None:
+            raise invalid_error("handle", f"tensor handle {handle[:8]}... is unknown or freed")
+        kept[1].release()
 
     # Regions ------------------------------------------------------------------------------
 

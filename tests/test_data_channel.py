@@ -148,7 +148,7 @@ def test_truncated_upload_stores_nothing(serve):
         assert reply(sock) == (True, b"")
         sock.sendall(b"x" * 400)
     wait_for(lambda: not served.server.data_channel.open_connections)
-    assert served.server.storage.counts() == (0, 0) and served.server.storage.held_bytes == 0
+    assert served.server.storage.counts() == (0, 0) and served.server.engine.ledger.held == 0
 
 
 def test_upload_over_budget_is_refused_before_any_byte(serve):
@@ -162,7 +162,7 @@ def test_upload_over_budget_is_refused_before_any_byte(serve):
         assert reply(sock) == (True, b"")
         sock.sendall(b"ok")
         assert reply(sock)[0]
-    assert served.server.storage.held_bytes == 2
+    assert served.engine.ledger.held_by_kind() == {"upload": 2}
 
 
 @pytest.mark.parametrize(

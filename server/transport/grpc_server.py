@@ -22,7 +22,7 @@ from aclnn_client.errors import invalid_error
 from aclnn_client.transfer import to_chunks
 
 from ..config import ServerOptions
-from ..engine import CallContext, Engine
+from ..engine import CallContext, Engine, default_memory_budget
 from ..metrics import Metrics
 from ..params import check
 from ..storage import Storage
@@ -170,7 +170,7 @@ class AclnnServer:
     def __init__(self, options: ServerOptions, engine: Engine) -> None:
         self.options, self.engine = options, engine
         self.metrics = Metrics(lambda: len(engine.executors))
-        self.storage = Storage(options.session_ttl_s, engine.memory_budget_bytes)
+        self.storage = Storage(options.session_ttl_s, engine.ledger, engine.executors.end_session)
         self.health = health.HealthServicer(experimental_non_blocking=True)
         interceptors = [TokenAuthInterceptor(read_tokens(options.auth_token_file))] if options.auth_token_file else []
         # Threads for every admitted or queued execution, plus a few for cheap calls (plans, health).
@@ -266,11 +266,15 @@ class AclnnServer:
 
 def create_server(options: ServerOptions, engine: Engine | None = None) -> tuple[AclnnServer, int, Engine]:
     """Builds (not starts) the server; returns it with its bound port and engine."""
+    budget = options.memory_budget_bytes or default_memory_budget()
     engine = engine or Engine(
         options.backend,
         executor_ttl_s=options.executor_ttl_s,
         max_executors=options.max_executors,
-        memory_budget_bytes=options.memory_budget_bytes,
+        memory_budget_bytes=budget,
+        # A server is shared: by default no identity may hold more than half of it.
+        max_tenant_bytes=options.max_tenant_bytes or budget // 2,
+        max_tenant_executors=options.max_tenant_executors,
         max_result_bytes=options.max_message_bytes,
         max_concurrency=options.max_concurrency,
         max_queue=options.max_queue,

@@ -23,6 +23,7 @@ from ..admission import CallAbandoned
 from ..descriptors import MAX_COUNT
 from ..engine import CallContext, Engine
 from ..executors import CapacityError
+from ..ledger import Hold
 from ..metrics import Metrics
 from ..params import check
 from ..storage import Storage
@@ -75,6 +76,11 @@ class Upload(Protocol):
         """Fills all of `buffer` or raises (161002 on `chunk`) when the bytes are truncated or out of order."""
 
 
+def _take(holds: list[Hold], nbytes: int) -> Hold:
+    """`nbytes` split off the call's output hold (the engine's last), as a kept result's hold."""
+    return holds[-1].split(nbytes, "result")
+
+
 def _message_size(message: Any, streamed: int) -> int:
     """A message's size; streamed calls (iterators, raw bytes) report the bytes they moved instead."""
     return message.ByteSize() if hasattr(message, "ByteSize") else streamed
@@ -85,6 +91,7 @@ class AclnnService:
 
     def __init__(self, engine: Engine, metrics: Metrics, storage: Storage) -> None:
         self.engine = engine
+        self.ledger = engine.ledger
         self.metrics = metrics
         self.storage = storage
         # The data channel sets this: OpenDataChannel issues its tickets.
@@ -95,6 +102,10 @@ class AclnnService:
         started, status, reply = time.perf_counter(), "ACLNN_SUCCESS", None
         self.metrics.in_flight.inc()
         try:
+            if call.holds is None:  # a transport that reserved its request's bytes before receiving them sets holds
+                call.holds = []
+                if hasattr(request, "ByteSize"):  # a whole message, received: its bytes are held until the reply
+                    call.holds.append(self.ledger.reserve(call.owner, request.ByteSize(), "message", "request"))
             self.storage.touch(call.session, call.owner)
             reply = getattr(self, name)(request, call)
             return reply
@@ -104,6 +115,8 @@ class AclnnService:
                 log.exception("request_id=%s method=%s failed", request_id, name)
             raise
         finally:
+            for hold in call.holds or ():
+                hold.release()
             self.metrics.in_flight.dec()
             total = time.perf_counter() - started
             phases = {"queue": call.queue_s, "validation": call.validation_s, "compute": call.compute_s}
@@ -200,7 +213,8 @@ class AclnnService:
                 np.frombuffer(targets[name], np.uint8)[:] = flat
                 encoded[name] = output_tensor(array, inline=False)
             elif name in placements and placements[name].keep_on_server:
-                handle = self.storage.add_handle(call.session, call.owner, memoryview(flat), reserved=False)
+                hold = _take(call.holds, flat.nbytes)  # the call's output bytes, held on as the handle's
+                handle = self.storage.add_handle(call.session, call.owner, memoryview(flat), hold)
                 encoded[name] = output_tensor(array, inline=False, handle=handle)
             else:
                 encoded[name] = output_tensor(array)
@@ -212,12 +226,12 @@ class AclnnService:
         """Stores an upload as a handle once all its bytes arrived; a failed one stores nothing."""
         total = upload.total_size
         check(0 <= total <= MAX_COUNT, "chunk", f"total_size {total} is too large")
-        buffer = self.storage.reserve(call.session, call.owner, total)
+        buffer, hold = self.storage.reserve(call.session, call.owner, total)
         try:
             upload.read_into(buffer)
-            handle = self.storage.add_handle(call.session, call.owner, buffer, reserved=True)
+            handle = self.storage.add_handle(call.session, call.owner, buffer, hold)
         except BaseException:
-            self.storage.release(total)
+            hold.release()
             raise
         call.bytes_in = total
         return pb.TensorHandle(handle=handle, size=total)
