@@ -66,7 +66,7 @@ class Admission:
                     while hold is None:
                         self._check_alive(deadline, cancelled)
                         if self._slot_free(stream) and not self.ledger.waiting_helps(owner, nbytes):
-                            raise self.ledger.refusal(owner, nbytes, "op")  # no running call will free it
+                            raise self.ledger.refusal(owner, nbytes, "call", "op")  # no running call will free it
                         if time.monotonic() >= give_up:
                             raise self._busy()
                         self._cond.wait(max(min(self._POLL_S, give_up - time.monotonic()), 0.0))

@@ -87,11 +87,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         signal.signal(signum, lambda *_: stop.set())
     server.start()
     log.info(
-        "backend %s; operators %s; max concurrency %d, queue %d; auth %s; tls %s; data channel %s; metrics %s",
+        "backend %s; operators %s; max concurrency %d, queue %d; memory budget %d MiB, %d MiB per tenant; "
+        "auth %s; tls %s; data channel %s; metrics %s",
         engine.backend.name,
         ", ".join(sorted(engine.operators)),
         options.max_concurrency,
         options.max_queue,
+        engine.ledger.budget_bytes >> 20,
+        engine.ledger.tenant_bytes >> 20,
         "on" if options.auth_token_file else "off",
         "mutual" if options.tls_client_ca else "on" if options.tls_cert else "off",
         f"port {server.data_channel.port}" if server.data_channel else "off",

@@ -51,10 +51,13 @@ def _cgroup_limit_files() -> list[str]:
     try:
         for line in open("/proc/self/cgroup").read().splitlines():
             _, controllers, path = line.split(":", 2)
-            if controllers == "" and path != "/":
-                files.append(f"/sys/fs/cgroup{path}/memory.max")
-            elif "memory" in controllers.split(",") and path != "/":
-                files.append(f"/sys/fs/cgroup/memory{path}/memory.limit_in_bytes")
+            parts = [p for p in path.split("/") if p]
+            for depth in range(1, len(parts) + 1):  # a limit on any ancestor applies too
+                below = "/".join(parts[:depth])
+                if controllers == "":
+                    files.append(f"/sys/fs/cgroup/{below}/memory.max")
+                elif "memory" in controllers.split(","):
+                    files.append(f"/sys/fs/cgroup/memory/{below}/memory.limit_in_bytes")
     except (OSError, ValueError):
         pass
     return files

@@ -16,9 +16,12 @@ from aclnn_client.errors import Status, invalid_error
 
 from .executors import CapacityError
 
-# Kinds of hold that end by themselves within a call (waiting for them can help); the others
-# (uploads, kept results, executor data) end only when their owner frees them or goes away.
-TRANSIENT = frozenset({"call", "message", "request"})
+# Running calls' holds end by themselves (waiting for them can help); the others (messages
+# of calls that wait too, uploads, kept results, executor data) end only with their call, or
+# when their owner frees them or goes away.
+RUNNING = "call"
+# Tensors kept between calls.
+STORED = frozenset({"upload", "result", "executor"})
 
 
 class Hold:
@@ -54,7 +57,12 @@ class Hold:
 
 
 class MemoryLedger:
-    """`budget_bytes` for everyone, at most `tenant_bytes` of it for one identity."""
+    """`budget_bytes` for everyone, at most `tenant_bytes` of it for one identity.
+
+    Stored tensors (uploads, kept results, executor data) may take at most three quarters of
+    either, so that calls always have room to run: a call whose inputs were uploaded first
+    could otherwise wait forever for memory that other calls' uploads hold.
+    """
 
     def __init__(self, budget_bytes: int, tenant_bytes: int | None = None) -> None:
         self.budget_bytes = budget_bytes
@@ -62,7 +70,8 @@ class MemoryLedger:
         self.held = 0
         self._by_owner: collections.Counter[str | None] = collections.Counter()
         self._by_kind: collections.Counter[str] = collections.Counter()
-        self._transient_by_owner: collections.Counter[str | None] = collections.Counter()
+        self._stored_by_owner: collections.Counter[str | None] = collections.Counter()
+        self._running_by_owner: collections.Counter[str | None] = collections.Counter()
         # Admission waits on this too: a release may let a queued call run.
         self.condition = threading.Condition()
 
@@ -71,42 +80,46 @@ class MemoryLedger:
         with self.condition:
             hold = self.try_reserve(owner, nbytes, kind, param)
             if hold is None:
-                raise self.refusal(owner, nbytes, param)
+                raise self.refusal(owner, nbytes, kind, param)
             return hold
 
     def try_reserve(self, owner: str | None, nbytes: int, kind: str, param: str = "") -> Hold | None:
         """A hold if it fits now, else None; 161002 when it could never fit."""
-        self.check_possible(nbytes, param)
+        self.check_possible(nbytes, param, kind)
         with self.condition:
-            if not self._fits(owner, nbytes):
+            if self._blocker(owner, nbytes, kind) is not None:
                 return None
             hold = Hold(self, owner, 0, kind)
             self._move(hold, nbytes)
             return hold
 
-    def check_possible(self, nbytes: int, param: str) -> None:
-        """161002 naming `param` when `nbytes` exceed what one identity may ever hold."""
-        if nbytes > self.tenant_bytes:
-            limit = "memory budget" if self.tenant_bytes == self.budget_bytes else "per-tenant memory share"
-            raise invalid_error(
-                param or "op", f"cannot hold {nbytes} bytes: more than the server's {limit} of {self.tenant_bytes}"
-            )
+    def check_possible(self, nbytes: int, param: str, kind: str = RUNNING) -> None:
+        """161002 naming `param` when `nbytes` exceed what one identity may ever hold (of this kind)."""
+        limit = self._limits(kind)[1]
+        if nbytes > limit:
+            scope = "memory share per tenant" if self.tenant_bytes < self.budget_bytes else "memory budget"
+            scope += " for stored tensors" if kind in STORED else ""
+            raise invalid_error(param or "op", f"cannot hold {nbytes} bytes: more than the server's {scope} ({limit})")
 
     def waiting_helps(self, owner: str | None, nbytes: int) -> bool:
-        """Whether holds that end by themselves (running calls, messages) stand in the way of `owner`."""
+        """Whether running calls, which end by themselves, hold memory that `owner` waits for."""
         with self.condition:
-            if self._by_owner[owner] + nbytes > self.tenant_bytes:
-                return self._transient_by_owner[owner] > 0
-            return self._transient_by_owner.total() > 0
+            if self._blocker(owner, nbytes, RUNNING) == "share":
+                return self._running_by_owner[owner] > 0
+            return self._running_by_owner.total() > 0
 
-    def refusal(self, owner: str | None, nbytes: int, param: str) -> CapacityError:
+    def refusal(self, owner: str | None, nbytes: int, kind: str, param: str) -> CapacityError:
         with self.condition:
-            mine, total = self._by_owner[owner], self.held
-        whose = (
-            f"this caller holds {mine} of its {self.tenant_bytes}-byte share"
-            if mine + nbytes > self.tenant_bytes
-            else f"{total} of {self.budget_bytes} bytes are held"
-        )
+            blocker = self._blocker(owner, nbytes, kind) or "budget"
+            mine = self._stored_by_owner[owner] if blocker == "stored share" else self._by_owner[owner]
+            total = self._by_kind.total() if blocker == "budget" else self._stored_total()
+        budget, share = self._limits(kind)
+        whose = {
+            "share": f"this caller holds {mine} of its {share}-byte share",
+            "stored share": f"this caller's stored tensors hold {mine} of the {share} bytes they may",
+            "budget": f"{total} of {budget} bytes are held",
+            "stored": f"stored tensors hold {total} of the {budget} bytes they may",
+        }[blocker]
         return CapacityError(
             Status.INNER_CREATE_EXECUTOR,
             f"cannot hold {nbytes} more bytes now: {whose} (free tensors or executors, or retry shortly)",
@@ -121,8 +134,28 @@ class MemoryLedger:
         with self.condition:
             return {kind: n for kind, n in self._by_kind.items() if n}
 
-    def _fits(self, owner: str | None, nbytes: int) -> bool:
-        return self.held + nbytes <= self.budget_bytes and self._by_owner[owner] + nbytes <= self.tenant_bytes
+    def _limits(self, kind: str) -> tuple[int, int]:
+        """(budget, tenant share) for holds of this kind."""
+        if kind in STORED:
+            return self.budget_bytes * 3 // 4, self.tenant_bytes * 3 // 4
+        return self.budget_bytes, self.tenant_bytes
+
+    def _stored_total(self) -> int:
+        return sum(self._by_kind[kind] for kind in STORED)
+
+    def _blocker(self, owner: str | None, nbytes: int, kind: str) -> str | None:
+        """What stops a hold of `nbytes` now: "budget", "share", "stored", "stored share", or None."""
+        if self.held + nbytes > self.budget_bytes:
+            return "budget"
+        if self._by_owner[owner] + nbytes > self.tenant_bytes:
+            return "share"
+        if kind in STORED:
+            budget, share = self._limits(kind)
+            if self._stored_total() + nbytes > budget:
+                return "stored"
+            if self._stored_by_owner[owner] + nbytes > share:
+                return "stored share"
+        return None
 
     def _move(self, hold: Hold, nbytes: int) -> None:
         """Adds `nbytes` (negative: removes) to a hold and the totals; the caller holds the condition."""
@@ -130,9 +163,11 @@ class MemoryLedger:
         self.held += nbytes
         self._by_owner[hold.owner] += nbytes
         self._by_kind[hold.kind] += nbytes
-        if hold.kind in TRANSIENT:
-            self._transient_by_owner[hold.owner] += nbytes
-        for counter in (self._by_owner, self._transient_by_owner):
+        if hold.kind == RUNNING:
+            self._running_by_owner[hold.owner] += nbytes
+        elif hold.kind in STORED:
+            self._stored_by_owner[hold.owner] += nbytes
+        for counter in (self._by_owner, self._running_by_owner, self._stored_by_owner):
             if counter.get(hold.owner) == 0:
                 del counter[hold.owner]
 
