@@ -1,6 +1,10 @@
 # aclnn-serve: build wheels in one stage, run them as a non-root user in a slim one.
 # Build: docker build -t aclnn-serve:0.1.0 .
-FROM python:3.11-slim AS build
+# On Ascend hosts, build both stages on a CANN image (Debian/Ubuntu with Python >= 3.11, CANN's set_env.sh
+# variables in its ENV), e.g. docker build --build-arg BASE_IMAGE=quay.io/ascend/cann:<version>-910b-ubuntu22.04-py3.11
+# -t aclnn-serve:0.1.0-npu . (see deploy/README.md).
+ARG BASE_IMAGE=python:3.11-slim
+FROM ${BASE_IMAGE} AS build
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY proto ./proto
@@ -8,7 +12,11 @@ COPY client ./client
 COPY server ./server
 RUN pip wheel --no-cache-dir --wheel-dir /wheels ".[server]"
 
-FROM python:3.11-slim
+FROM ${BASE_IMAGE}
+# OpenMP's runtime: a thread-safe Numba threading layer where the server extra brings no TBB wheel
+# (not x86_64); the cpu backend logs the layer it runs on. The base image's release fixes the version.
+# hadolint ignore=DL3008
+RUN apt-get update && apt-get install -y --no-install-recommends libgomp1 && rm -rf /var/lib/apt/lists/*
 RUN useradd --system --uid 10001 --create-home --home-dir /home/aclnn aclnn
 COPY --from=build /wheels /wheels
 RUN pip install --no-cache-dir --no-index --find-links /wheels "aclnn-serve[server]==0.1.0" && rm -rf /wheels

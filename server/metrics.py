@@ -29,6 +29,9 @@ class Metrics:
         self.bytes_in = Counter("aclnn_received_bytes", "Request message bytes", ["method"], registry=self.registry)
         self.bytes_out = Counter("aclnn_sent_bytes", "Response message bytes", ["method"], registry=self.registry)
         self.in_flight = Gauge("aclnn_in_flight_calls", "RPCs being handled", registry=self.registry)
+        self.refused = Counter(
+            "aclnn_refused_calls", "RPCs refused at once: the server was handling all it takes", registry=self.registry
+        )
         live = Gauge("aclnn_live_executors", "Executors alive on this server", registry=self.registry)
         live.set_function(live_executors)
         self.data_connections = Gauge(
@@ -39,6 +42,8 @@ class Metrics:
         self._children: dict[tuple[str, str, str], tuple] = {}
 
     def observe(self, method: str, op: str, status: str, phases: dict[str, float], sizes: tuple[int, int]) -> None:
+        """Records one call. Every label value is a series kept for good: callers pass only values
+        from bounded sets (method names, registered operators or one fixed label, status names)."""
         children = self._children.get((method, op, status))
         if children is None:
             children = self._children[method, op, status] = (
@@ -54,6 +59,19 @@ class Metrics:
                 histogram.observe(phases[phase])
         bytes_in.inc(sizes[0])
         bytes_out.inc(sizes[1])
+
+    def track_memory(self, held: Callable[[], int], held_by_kind: Callable[[], dict[str, int]], budget: int) -> None:
+        """The memory ledger's bytes held for callers (in total and by kind) and its budget."""
+        Gauge("aclnn_memory_budget_bytes", "Bytes the server may hold for callers", registry=self.registry).set(budget)
+        Gauge("aclnn_memory_held_bytes", "Bytes held for callers now", registry=self.registry).set_function(held)
+        by_kind = Gauge(
+            "aclnn_memory_held_by_kind_bytes",
+            "Bytes held for callers now, by kind (message, request, call, upload, result, executor)",
+            ["kind"],
+            registry=self.registry,
+        )
+        for kind in ("message", "request", "call", "upload", "result", "executor"):
+            by_kind.labels(kind).set_function(lambda kind=kind: held_by_kind().get(kind, 0))
 
     def serve(self, host: str, port: int) -> int:
         """Serves /metrics over HTTP; returns the bound port."""

@@ -8,10 +8,15 @@ shape) runs on the operator's NumPy reference instead, logged once per operator 
 Compilation never lands on a request: `warm_up()` (run once per process, when the backend is
 created) builds every kernel for every dtype signature, loading them from Numba's on-disk
 cache when an earlier process compiled them (see `_jit.configure_cache`).
+
+Concurrent calls need a thread-safe Numba threading layer (TBB or OpenMP; `_jit.pin_threading_layer`
+picks one before the first kernel). The layer in force is checked once the kernels ran; with
+only the workqueue layer, which aborts the process on concurrent use, calls run one at a time.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -25,6 +30,8 @@ from ...registry import Operator, Plan
 log = logging.getLogger("aclnn_server")
 
 SMALL_CALL_ELEMENTS = 1 << 16  # below this many input elements a call runs on the calling thread only
+# Threading layers that let several threads run parallel kernels at once (Numba's "threadsafe").
+SAFE_LAYERS = ("tbb", "omp")
 
 _warm_lock = threading.Lock()
 _warm_seconds: float | None = None
@@ -35,6 +42,7 @@ def kernel_modules() -> dict[str, ModuleType]:
     from . import _jit
 
     _jit.configure_cache()
+    _jit.pin_threading_layer()
     from . import batch_norm_backward, batch_norm_elemt_backward, layer_norm_backward, layer_norm_grad
 
     return {
@@ -58,14 +66,29 @@ def warm_up() -> float:
         return _warm_seconds
 
 
+def checked_threading_layer() -> str:
+    """The threading layer the kernels run on (once one ran), logged: a warning when it is not thread-safe."""
+    layer = numba.threading_layer()
+    if layer in SAFE_LAYERS:
+        log.info("cpu backend: Numba threading layer %s", layer)
+    else:
+        log.warning(
+            "cpu backend: Numba threading layer %s is not thread-safe: cpu kernel calls run one at a time "
+            "(install TBB with `pip install tbb`, or OpenMP's runtime libgomp, for concurrent calls)",
+            layer,
+        )
+    return layer
+
+
 class CpuBackend:
     name = "cpu"
 
-    def __init__(self, warm: bool = True) -> None:
+    def __init__(self) -> None:
         self.kernels = kernel_modules()
         self._fallbacks_logged: set[tuple[str, str]] = set()
-        if warm:
-            warm_up()
+        warm_up()
+        self.threading_layer = checked_threading_layer()
+        self._serial = contextlib.nullcontext() if self.threading_layer in SAFE_LAYERS else threading.Lock()
 
     def _kernel(self, operator: Operator, plan: Plan) -> ModuleType | None:
         module = self.kernels.get(operator.name)
@@ -98,8 +121,10 @@ class CpuBackend:
             threads = numba.get_num_threads()
             numba.set_num_threads(1)
             try:
-                module.compute(plan, args)
+                with self._serial:
+                    module.compute(plan, args)
             finally:
                 numba.set_num_threads(threads)
         else:
-            module.compute(plan, args)
+            with self._serial:
+                module.compute(plan, args)

@@ -13,7 +13,11 @@ slice (vectorized), any other row is gathered into a row buffer first (`row`).
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import hashlib
+import importlib
+import importlib.metadata
 import os
 import pathlib
 import threading
@@ -60,6 +64,39 @@ def configure_cache() -> str | None:
         return None  # no writable cache: kernels compile in each process
     numba.config.CACHE_DIR = str(cache_dir)
     return str(cache_dir)
+
+
+def pin_threading_layer() -> None:
+    """Makes Numba pick a thread-safe layer (TBB, else OpenMP) when either is there; call before
+    the first parallel kernel compiles or loads. The workqueue fallback aborts the process when two
+    threads launch kernels at once (the backend serializes its calls then: see `CpuBackend`).
+
+    pip's `tbb` wheel puts libtbb.so.12 in <prefix>/lib, where the dynamic loader does not look;
+    loaded here by its path first, Numba's dlopen("libtbb.so.12") finds it. NUMBA_THREADING_LAYER,
+    when set, is the operator's choice and is left alone.
+    """
+    _load_pip_tbb()
+    if os.environ.get("NUMBA_THREADING_LAYER"):
+        return
+    for module in ("tbbpool", "omppool"):
+        try:
+            importlib.import_module(f"numba.np.ufunc.{module}")
+        except ImportError:
+            continue
+        numba.config.THREADING_LAYER = "threadsafe"  # tbb before omp: Numba's priority order
+        return
+
+
+def _load_pip_tbb() -> None:
+    try:
+        files = importlib.metadata.files("tbb") or []
+    except importlib.metadata.PackageNotFoundError:
+        return
+    for file in files:
+        if file.name == "libtbb.so.12":
+            with contextlib.suppress(OSError):
+                ctypes.CDLL(str(file.locate()))
+            return
 
 
 def array(dtype: Any, ndim: int, readonly: bool = False, layout: str = "A") -> types.Array:
