@@ -12,6 +12,9 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
+# The name of the DNS-only server certificate, like a Kubernetes Service's.
+DNS_NAME = "aclnn-serve.pool.svc.cluster.local"
+
 
 @dataclass
 class Pem:
@@ -23,7 +26,7 @@ def _name(common_name: str) -> x509.Name:
     return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
 
 
-def _issue(subject: str, issuer: Pem | None, *, ca: bool = False, server: bool = False) -> Pem:
+def _issue(subject: str, issuer: Pem | None, *, ca: bool = False, server: bool = False, dns_only: bool = False) -> Pem:
     key = ec.generate_private_key(ec.SECP256R1())
     now = datetime.datetime.now(datetime.UTC)
     issuer_cert = x509.load_pem_x509_certificate(issuer.cert) if issuer else None
@@ -39,10 +42,10 @@ def _issue(subject: str, issuer: Pem | None, *, ca: bool = False, server: bool =
         .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
     )
     if server:
-        builder = builder.add_extension(
-            x509.SubjectAlternativeName([x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
-            critical=False,
-        )
+        names = [x509.DNSName(subject)]
+        if not dns_only:
+            names += [x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+        builder = builder.add_extension(x509.SubjectAlternativeName(names), critical=False)
     cert = builder.sign(issuer_key, hashes.SHA256())
     return Pem(
         cert.public_bytes(serialization.Encoding.PEM),
@@ -56,6 +59,8 @@ class Certificates:
     server: Pem
     client: Pem
     directory: pathlib.Path
+    # Issued for DNS_NAME only (no IP address), as for a Kubernetes Service: server-dns.pem/.key.
+    dns_server: Pem | None = None
 
     def path(self, name: str) -> pathlib.Path:
         return self.directory / name
@@ -63,13 +68,21 @@ class Certificates:
 
 def make_certificates(directory: pathlib.Path) -> Certificates:
     ca = _issue("aclnn-test-ca", None, ca=True)
-    certs = Certificates(ca, _issue("localhost", ca, server=True), _issue("client-alice", ca), directory)
+    certs = Certificates(
+        ca,
+        _issue("localhost", ca, server=True),
+        _issue("client-alice", ca),
+        directory,
+        _issue(DNS_NAME, ca, server=True, dns_only=True),
+    )
     for name, data in {
         "ca.pem": ca.cert,
         "server.pem": certs.server.cert,
         "server.key": certs.server.key,
         "client.pem": certs.client.cert,
         "client.key": certs.client.key,
+        "server-dns.pem": certs.dns_server.cert,
+        "server-dns.key": certs.dns_server.key,
     }.items():
         (directory / name).write_bytes(data)
     return certs

@@ -1,0 +1,118 @@
+"""`python -m aclnn_server.healthcheck` as an exec probe runs it: a subprocess with the server's ACLNN_* settings.
+
+The servers are real (plaintext, TLS with a certificate issued for a DNS name only, mutual TLS); the
+probe must speak their TLS, verify them, and exit 0 only when they report SERVING.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+
+import pytest
+from certs import make_certificates
+from grpc_health.v1 import health_pb2
+
+from aclnn_server.healthcheck import SERVICE
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory: pytest.TempPathFactory):
+    return make_certificates(tmp_path_factory.mktemp("certs"))
+
+
+@pytest.fixture(scope="module")
+def token_file(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    path = tmp_path_factory.mktemp("tokens") / "tokens"
+    path.write_text("probe-test-token\n")
+    return path
+
+
+def probe(port: int | str, **settings: object) -> subprocess.CompletedProcess:
+    """The healthcheck module with exactly these ACLNN_* settings (none inherited from this process)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ACLNN_")}
+    env["ACLNN_PORT"] = str(port)
+    env.update({f"ACLNN_{name.upper()}": str(value) for name, value in settings.items()})
+    return subprocess.run(
+        [sys.executable, "-m", "aclnn_server.healthcheck"], capture_output=True, text=True, timeout=60, env=env
+    )
+
+
+def port_of(address: str) -> int:
+    return int(address.rsplit(":", 1)[1])
+
+
+def test_plaintext_server(serve):
+    result = probe(port_of(serve().address))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().endswith("SERVING")
+
+
+def test_tls_server_with_a_dns_name_certificate_bound_to_every_address(serve, certs, token_file):
+    """The manifests' setup: 0.0.0.0, TLS for the Service's name only, tokens; the probe trusts the server's file."""
+    tls = dict(tls_cert=certs.path("server-dns.pem"), tls_key=certs.path("server-dns.key"))
+    served = serve(host="0.0.0.0", auth_token_file=token_file, **tls)
+    result = probe(port_of(served.address), host="0.0.0.0", auth_token_file=token_file, **tls)
+    assert result.returncode == 0, result.stderr
+    assert "SERVING" in result.stdout
+
+
+def test_tls_server_verified_against_its_ca(serve, certs):
+    tls = dict(tls_cert=certs.path("server-dns.pem"), tls_key=certs.path("server-dns.key"))
+    result = probe(port_of(serve(**tls).address), healthcheck_ca=certs.path("ca.pem"), **tls)
+    assert result.returncode == 0, result.stderr
+
+
+def test_tls_server_with_an_untrusted_certificate_fails(serve, certs, tmp_path):
+    """A CA that did not issue the server's certificate: the probe refuses it (and says why)."""
+    other = make_certificates(tmp_path)
+    tls = dict(tls_cert=certs.path("server-dns.pem"), tls_key=certs.path("server-dns.key"))
+    result = probe(port_of(serve(**tls).address), healthcheck_ca=other.path("ca.pem"), **tls)
+    assert result.returncode == 1
+    assert "CERTIFICATE_VERIFY_FAILED" in result.stderr
+
+
+@pytest.mark.parametrize("own_certificate", [False, True])
+def test_mutual_tls_server(serve, certs, own_certificate):
+    """The probe presents the server's certificate (issued by the client CA too), or its own client certificate."""
+    tls = dict(
+        tls_cert=certs.path("server-dns.pem"), tls_key=certs.path("server-dns.key"), tls_client_ca=certs.path("ca.pem")
+    )
+    mine = dict(healthcheck_cert=certs.path("client.pem"), healthcheck_key=certs.path("client.key"))
+    result = probe(port_of(serve(**tls).address), **tls, **(mine if own_certificate else {}))
+    assert result.returncode == 0, result.stderr
+
+
+def test_mutual_tls_refuses_a_certificate_its_client_ca_did_not_issue(serve, certs, tmp_path):
+    other = make_certificates(tmp_path)
+    tls = dict(
+        tls_cert=certs.path("server-dns.pem"), tls_key=certs.path("server-dns.key"), tls_client_ca=certs.path("ca.pem")
+    )
+    mine = dict(healthcheck_cert=other.path("client.pem"), healthcheck_key=other.path("client.key"))
+    assert probe(port_of(serve(**tls).address), **tls, **mine).returncode == 1
+
+
+def test_not_serving(serve):
+    served = serve()
+    served.server.health.set(SERVICE, health_pb2.HealthCheckResponse.NOT_SERVING)
+    result = probe(port_of(served.address))
+    assert result.returncode == 1
+    assert "NOT_SERVING" in result.stdout
+
+
+def test_no_server():
+    with socket.socket() as unused:  # a port nothing listens on once this closes
+        unused.bind(("127.0.0.1", 0))
+        port = unused.getsockname()[1]
+    result = probe(port)
+    assert result.returncode == 1
+    assert "UNAVAILABLE" in result.stderr
+
+
+def test_unusable_settings():
+    """Port 0 (the server picked one) cannot be probed; neither can settings the server would refuse."""
+    assert probe(0).returncode == 2
+    assert probe(50051, host="0.0.0.0").returncode == 2  # beyond loopback without TLS and tokens
