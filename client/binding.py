@@ -2,11 +2,13 @@
 
 Shared by the gRPC Client and the in-process LocalClient: one place decides how a
 NumPy array, a list or a scalar becomes an aclnn parameter, and how a result lands
-in the caller's preallocated output.
+in the caller's preallocated output. A CPU torch tensor is taken as the NumPy view of
+its own storage, so everything after binding (transports included) sees only NumPy.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -15,7 +17,7 @@ import numpy as np
 
 from .errors import AclnnError, Status, invalid_error
 from .tensor import BoolArray, IntArray, Tensor, Value, tensor_from_array
-from .types import numpy_dtype
+from .types import numpy_dtype, torch_array
 
 
 def to_value(name: str, arg: Any) -> Value:
@@ -95,12 +97,31 @@ class BoundCall:
 
 
 def bind(op: str, params: Mapping[str, Any], output_names: frozenset[str]) -> BoundCall:
+    params = {name: _host_array(name, arg) for name, arg in params.items()}
     values = {name: to_value(name, arg) for name, arg in params.items()}
     targets = {n: params[n] for n in output_names if isinstance(params.get(n), (np.ndarray, Tensor))}
     # Outputs never ship bytes: the server allocates results and they come back here.
     for name in targets:
         values[name] = values[name].without_data()
     return BoundCall(op, values, targets)
+
+
+def _host_array(name: str, arg: Any) -> Any:
+    """A torch tensor as the NumPy view of its storage (also as a create_tensor's data); else `arg`.
+
+    Results written to the view land in the tensor itself: outputs are filled in place.
+    """
+    try:
+        array = torch_array(arg)
+        if array is not None:
+            return array
+        if isinstance(arg, Tensor):
+            data = torch_array(arg.data)
+            if data is not None:
+                return dataclasses.replace(arg, data=data)
+    except TypeError as exc:
+        raise invalid_error(name, str(exc)) from None
+    return arg
 
 
 def _same_elements(a: np.ndarray, b: np.ndarray) -> bool:

@@ -1,8 +1,10 @@
-"""CANN's enums (aclDataType, aclFormat) and their NumPy dtypes."""
+"""CANN's enums (aclDataType, aclFormat), their NumPy dtypes, and torch tensors as NumPy views."""
 
 from __future__ import annotations
 
 import enum
+import sys
+from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -93,3 +95,22 @@ def data_type_of(dtype: np.dtype) -> DataType:
         return _DATA_TYPES_BY_DTYPE[np.dtype(dtype)]
     except KeyError:
         raise TypeError(f"NumPy dtype {np.dtype(dtype)} has no aclDataType") from None
+
+
+def torch_array(obj: Any) -> np.ndarray | None:
+    """A NumPy view sharing the storage of a CPU torch tensor (same strides; bf16 as ml_dtypes'), or
+    None when `obj` is no torch tensor. Raises TypeError for a tensor NumPy cannot see in place.
+
+    torch is never imported here: a tensor can only exist once the caller has imported it.
+    """
+    torch = sys.modules.get("torch")
+    if torch is None or not isinstance(obj, torch.Tensor):
+        return None
+    if obj.device.type != "cpu":
+        raise TypeError(f"a torch tensor must be on the CPU, this one is on {obj.device}")
+    try:
+        if obj.dtype == torch.bfloat16:
+            return obj.detach().view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+        return obj.detach().numpy()
+    except (TypeError, RuntimeError) as exc:  # unsupported dtypes, sparse, conjugate or negative bits
+        raise TypeError(f"torch tensor {obj.dtype}{list(obj.shape)} has no NumPy view: {exc}") from None

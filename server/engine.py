@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import pathlib
 import threading
 import time
 from collections.abc import Callable, Hashable, Iterator, Mapping
@@ -37,7 +38,7 @@ def memory_limit() -> int:
         limit = 16 << 30
     for path in _cgroup_limit_files():
         try:
-            text = open(path).read().strip()
+            text = pathlib.Path(path).read_text().strip()
         except OSError:
             continue
         if text.isdigit():  # "max" (v2) means no limit; v1 spells it as a huge number, which min() ignores
@@ -49,7 +50,7 @@ def _cgroup_limit_files() -> list[str]:
     """memory.max of this process's cgroup (v2), and memory.limit_in_bytes (v1)."""
     files = ["/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"]
     try:
-        for line in open("/proc/self/cgroup").read().splitlines():
+        for line in pathlib.Path("/proc/self/cgroup").read_text().splitlines():
             _, controllers, path = line.split(":", 2)
             parts = [p for p in path.split("/") if p]
             for depth in range(1, len(parts) + 1):  # a limit on any ancestor applies too

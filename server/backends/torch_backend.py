@@ -6,7 +6,9 @@ folded to `[N, C, -1]`); LayerNormGrad and aclnnBatchNormElemtBackward are compo
 torch ops. Inputs are widened to float32 on the host, the math runs in float32 on the
 device, and each result is cast to its output's dtype (bf16 via ml_dtypes on the host).
 Parameter gradients of LayerNorm (sums over all rows) are taken in float64 where the device
-has it (cpu, cuda), so that long reductions meet SPEC 1.5's fp32 tolerance.
+has it (cpu, cuda), so that long reductions meet SPEC 1.5's fp32 tolerance. LayerNorm's
+gradInput follows SPEC 3.2's formula (row sums in that precision too) rather than aten's
+folded one, which on a one-element row (gradInput exactly 0) leaves rstd-scaled rounding.
 
 torch is imported lazily: it is a test-only dependency, and constructing a TorchBackend
 without it raises a RuntimeError saying so. `npu:N` needs torch_npu.
@@ -117,15 +119,17 @@ class TorchBackend:
         mean, rstd = self._t(a["mean"]).reshape(stats), self._t(a["rstd"]).reshape(stats)
         w = self._t(a["weightOptional"])
         w = w.reshape(norm) if w is not None else torch.ones(norm, dtype=torch.float32, device=self.device)
+        xhat = (xt.reshape(m, n) - mean.reshape(m, 1)) * rstd.reshape(m, 1)
         if dx is not None:
-            gi, _, _ = torch.ops.aten.native_layer_norm_backward(
-                gt, xt, norm, mean, rstd, w, torch.zeros_like(w), [True, False, False]
-            )
-            self._store(dx, gi)
+            # SPEC's formula as written, not aten's folded a·g·w + b·x + c: with N = 1 (or x̂ = 0) the
+            # bracket cancels exactly, where aten's form leaves rstd-scaled rounding. Row sums in acc_dtype.
+            gw = gt.reshape(m, n) * w.reshape(1, n)
+            mean_gw = gw.sum(1, keepdim=True, dtype=self.acc_dtype) / n
+            mean_gw_xhat = (gw * xhat).sum(1, keepdim=True, dtype=self.acc_dtype) / n
+            self._store(dx, rstd.reshape(m, 1) * (gw - mean_gw.float() - xhat * mean_gw_xhat.float()))
         if dw is not None or db is not None:
             g2 = gt.reshape(m, n).to(self.acc_dtype)
             if dw is not None:
-                xhat = (xt.reshape(m, n) - mean.reshape(m, 1)) * rstd.reshape(m, 1)
                 self._store(dw, (g2 * xhat.to(self.acc_dtype)).sum(0))
             if db is not None:
                 self._store(db, g2.sum(0))
