@@ -1,6 +1,8 @@
-"""Transport benchmark: aclnn-serve (data channel, gRPC unary and streaming, shared memory) against PyTorch RPC.
+"""Transport benchmark: aclnn-serve (data channel over TCP and over the Unix socket, gRPC unary and
+streaming, shared memory) against PyTorch RPC.
 
-Both servers run in their own process on this machine and are reached over TCP loopback;
+Both servers run in their own process on this machine and are reached over loopback (aclnn-serve
+also over its Unix domain socket);
 every number is a median (or percentile) measured in this one run, so ratios compare like
 with like on a noisy machine.
 
@@ -67,6 +69,15 @@ def timed(fn, repeats: int, warmup: int = 2) -> list[float]:
     return times
 
 
+def interleaved(calls: dict[str, object], count: int, batch: int = 50) -> dict[str, list[float]]:
+    """`count` timings of each call, taken in batches that take turns (after a few warm-up calls each)."""
+    samples: dict[str, list[float]] = {label: [] for label in calls}
+    for _ in range(-(-count // batch)):
+        for label, fn in calls.items():
+            samples[label] += timed(fn, batch, warmup=5)
+    return samples
+
+
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
@@ -81,6 +92,7 @@ def main() -> int:
     import torch.distributed.rpc as rpc
 
     from aclnn_client import Client
+    from aclnn_client._proto import aclnn_pb2 as pb
 
     large_rows, repeats, small_calls = (2048, 5, 300) if args.quick else (8192, 7, 1000)
     server = subprocess.Popen(
@@ -104,55 +116,84 @@ def main() -> int:
         rpc_large = statistics.median(timed(lambda: rpc.rpc_sync("server", layer_norm_backward, torch_args), repeats))
         rows_out.append((f"large {large_rows}x4096 fp32", "PyTorch RPC (TensorPipe)", rpc_large, 1.0))
         for label, kwargs in [
-            ("aclnn-serve default (data channel)", {}),
+            ("aclnn-serve default (data channel, Unix socket)", {}),
+            ("aclnn-serve data channel, TCP", dict(unix_socket=False)),
             ("aclnn-serve gRPC unary", dict(data_channel=False, max_inline_bytes=2**31)),
             ("aclnn-serve gRPC streaming (1 MiB chunks)", dict(data_channel=False, max_inline_bytes=1 << 20)),
-            ("aclnn-serve shared memory", dict(shared_memory=True)),
+            ("aclnn-serve shared memory (memfds, Unix socket)", dict(shared_memory=True)),
         ]:
             with Client(address, **kwargs) as c:
                 p = aclnn_params(inputs)
                 t = statistics.median(timed(lambda c=c, p=p: c.run(OP, **p), repeats))
             rows_out.append(("", label, t, t / rpc_large))
 
-        # Small call latency: p50 and p99 over many calls.
+        # Small calls, then the transport alone (an empty call, KeepAlive): p50 and p99 over many calls,
+        # in interleaved batches of 50 per path, so that a slow spell of the machine hits every path alike.
         small = make_inputs(4, 1024)
         small_torch = tuple(torch.from_numpy(small[k]) for k in ("gradOut", "input", "mean", "rstd", "weightOptional"))
-        rpc_small = timed(lambda: rpc.rpc_sync("server", layer_norm_backward, small_torch), small_calls, warmup=50)
-        small_rows = [("PyTorch RPC (TensorPipe)", rpc_small)]
-        paths = [("aclnn-serve Run, data channel", {}), ("aclnn-serve Run, gRPC", dict(data_channel=False))]
-        for label, kwargs in paths:
-            with Client(address, **kwargs) as c:
-                p = aclnn_params(small)
-                small_rows.append((label, timed(lambda c=c, p=p: c.run(OP, **p), small_calls, warmup=50)))
-        for label, samples in small_rows:
-            p50, p99 = percentile(samples, 0.5), percentile(samples, 0.99)
-            rows_out.append(("small 4x1024 fp32 p50 / p99", label, p50, p99))
+        paths = {
+            "Unix socket (default)": {},
+            "Unix socket + shared memory": dict(shared_memory=True),
+            "data channel TCP": dict(unix_socket=False),
+            "gRPC": dict(data_channel=False),
+        }
+        ours = {label: Client(address, **kwargs) for label, kwargs in paths.items()}
+        try:
+            p = aclnn_params(small)
+            calls = {"PyTorch RPC (TensorPipe)": lambda: rpc.rpc_sync("server", layer_norm_backward, small_torch)}
+            calls.update({f"aclnn-serve Run, {label}": lambda c=c: c.run(OP, **p) for label, c in ours.items()})
+            measured = interleaved(calls, small_calls)
+            rpc_small = measured["PyTorch RPC (TensorPipe)"]  # the reference of the ratios
+            for label, samples in measured.items():
+                p50, p99 = percentile(samples, 0.5), percentile(samples, 0.99)
+                rows_out.append(("small 4x1024 fp32 p50 / p99", label, p50, p99))
+            empty = {
+                f"aclnn-serve {label}": lambda c=ours[label]: c._call_on(0, "KeepAlive", pb.Empty())
+                for label in ("Unix socket (default)", "data channel TCP", "gRPC")
+            }
+            for label, samples in interleaved(empty, small_calls).items():
+                p50, p99 = percentile(samples, 0.5), percentile(samples, 0.99)
+                rows_out.append(("empty call round trip p50 / p99", label, p50, p99))
+        finally:
+            for client in ours.values():
+                client.close()
 
-        # Throughput: several concurrent clients of small calls for a fixed time.
-        clients, seconds = 4, 2.0 if args.quick else 4.0
+        # Throughput: several concurrent clients of small calls, each path in interleaved slices.
+        clients, seconds, slices = 4, 2.0 if args.quick else 4.0, 8
 
-        def ours_loop(kwargs: dict) -> int:
-            with Client(address, **kwargs) as c:
-                p, done, end = aclnn_params(small), 0, time.monotonic() + seconds
-                while time.monotonic() < end:
-                    c.run(OP, **p)
-                    done += 1
-                return done
+        def ours_loop(client: Client, end: float) -> int:
+            p, done = aclnn_params(small), 0
+            while time.monotonic() < end:
+                client.run(OP, **p)
+                done += 1
+            return done
 
-        def rpc_loop(_: dict) -> int:
-            done, end = 0, time.monotonic() + seconds
+        def rpc_loop(_: object, end: float) -> int:
+            done = 0
             while time.monotonic() < end:
                 rpc.rpc_sync("server", layer_norm_backward, small_torch)
                 done += 1
             return done
 
-        for label, loop, kwargs in [
-            ("PyTorch RPC (TensorPipe)", rpc_loop, {}),
-            ("aclnn-serve Run, data channel", ours_loop, {}),
-            ("aclnn-serve Run, gRPC", ours_loop, dict(data_channel=False)),
-        ]:
+        loops = {
+            "PyTorch RPC (TensorPipe)": (rpc_loop, {}),
+            "aclnn-serve Run, Unix socket (default)": (ours_loop, {}),
+            "aclnn-serve Run, data channel TCP": (ours_loop, dict(unix_socket=False)),
+            "aclnn-serve Run, gRPC": (ours_loop, dict(data_channel=False)),
+        }
+        pools = {label: [Client(address, **kwargs) for _ in range(clients)] for label, (_, kwargs) in loops.items()}
+        done = dict.fromkeys(loops, 0)
+        try:
             with concurrent.futures.ThreadPoolExecutor(clients) as pool:
-                total = sum(pool.map(loop, [kwargs] * clients))
+                for _ in range(slices):
+                    for label, (loop, _) in loops.items():
+                        end = time.monotonic() + seconds / slices
+                        done[label] += sum(pool.map(loop, pools[label], [end] * clients))
+        finally:
+            for pooled in pools.values():
+                for client in pooled:
+                    client.close()
+        for label, total in done.items():
             rows_out.append((f"throughput, {clients} client threads", label, total / seconds, 0.0))
     finally:
         rpc.shutdown()
@@ -161,13 +202,15 @@ def main() -> int:
         server.wait(timeout=60)
 
     print(f"\nTransport benchmark ({'quick' if args.quick else 'full'}; aclnn-serve backend {args.backend}; "
-          f"{os.cpu_count()} cores; loopback TCP)\n")
+          f"{os.cpu_count()} cores; loopback TCP and a Unix socket)\n")
     print("| case | path | time | vs PyTorch RPC |")
     print("|---|---|---|---|")
     for case, label, value, extra in rows_out:
         if case.startswith("small"):
             print(f"| {case} | {label} | {value * 1e3:.3f} ms / {extra * 1e3:.3f} ms | "
                   f"{value / percentile(rpc_small, 0.5):.2f}x (p50) |")
+        elif case.startswith("empty"):
+            print(f"| {case} | {label} | {value * 1e6:.0f} µs / {extra * 1e6:.0f} µs | |")
         elif case.startswith("throughput"):
             print(f"| {case} | {label} | {value:.0f} calls/s | |")
         else:

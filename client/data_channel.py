@@ -1,13 +1,16 @@
-"""The data channel: tensor bytes and unary calls over a TCP connection beside gRPC (TLS when gRPC has it).
+"""The data channel: tensor bytes and unary calls over a connection beside gRPC.
 
 gRPC in Python copies every message several times and frames it in HTTP/2; a large
 tensor moves at well under 1 GB/s that way, a small call pays ~0.5 ms. The data channel
 carries the same protobuf messages, and raw tensor bytes straight from and into NumPy
-buffers (`sendall` / `recv_into`, no copies), at several GB/s over loopback.
+buffers (`sendall` / `recv_into`, no copies), at several GB/s over loopback. It runs over
+TCP (with gRPC's TLS when gRPC has it) and, for a client on the server's host, over the
+server's Unix domain socket, which also takes shared-memory regions.
 
 Protocol (little endian). A connection opens with MAGIC and a ticket from the
 OpenDataChannel RPC; the server answers with a reply frame. Then the client sends
-requests, one at a time, each answered by one reply (UPLOAD: two):
+requests, one at a time, each answered by one reply (UPLOAD: two), and sends nothing
+else while it waits (the server takes a closed connection for a cancelled call):
 
     request  = kind:u8 has_stream:u8 stream:i64 timeout_ms:u32 length:u64, payload
     reply    = ok:u8 length:u64, payload   (ok = 0: the payload is a google.rpc.Status)
@@ -16,15 +19,21 @@ requests, one at a time, each answered by one reply (UPLOAD: two):
     UPLOAD    length = the tensor's size; reply (empty) when the bytes are accepted, then the
               client sends them; reply: TensorHandle
     DOWNLOAD  payload = TensorHandle message; reply: the raw bytes
+    REGISTER_REGION    (Unix socket) payload = size:u64, with one memfd passed as SCM_RIGHTS
+              ancillary data, sealed against shrinking and growing; reply: the region's id (ASCII),
+              valid in RegionSlice.region for this session
+    UNREGISTER_REGION  payload = the region's id; reply: empty
 """
 
 from __future__ import annotations
 
 import contextlib
+import select
 import socket
 import ssl
 import struct
 import threading
+import time
 from collections.abc import Callable, Iterator
 
 import grpc
@@ -37,9 +46,10 @@ from .wire import decode_status
 
 MAGIC = b"ACLNNDC1"
 TICKET_BYTES = 16
-CALL, UPLOAD, DOWNLOAD = 1, 2, 3
+CALL, UPLOAD, DOWNLOAD, REGISTER_REGION, UNREGISTER_REGION = 1, 2, 3, 4, 5
 REQUEST = struct.Struct("<BBqIQ")
 REPLY = struct.Struct("<BQ")
+REGION = struct.Struct("<Q")
 # The unary methods the data channel carries: request and reply message types.
 METHODS: dict[str, tuple[type, type]] = {
     "GetWorkspaceSize": (pb.OpCall, pb.WorkspacePlan),
@@ -54,10 +64,25 @@ METHODS: dict[str, tuple[type, type]] = {
 _COALESCE_BYTES = 64 << 10
 # Strided downloads are scattered through a bounce buffer of this size.
 _BOUNCE_BYTES = 4 << 20
+# A pooled connection idle longer than this is checked before use: the server may have closed it
+# (it reaps idle connections, or restarted). Busier ones skip the check: a closed one fails its call.
+_CHECK_IDLE_S = 0.5
 
 
 class ConnectionLost(Exception):
     """The connection broke mid-exchange (the peer is gone, or a protocol error)."""
+
+
+class NoConnection(Exception):
+    """No connection could be opened or admitted: nothing of the request was sent (gRPC can carry it).
+
+    `refused`: the server answered (it is full now), so the channel stays; else it is unreachable
+    (gone, or restarted elsewhere) and the caller asks for a new channel.
+    """
+
+    def __init__(self, message: str, refused: bool) -> None:
+        super().__init__(message)
+        self.refused = refused
 
 
 def recv_into(sock: socket.socket, view: memoryview) -> None:
@@ -90,31 +115,39 @@ def _lost(reason: object, code: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE) -
 
 
 class DataChannel:
-    """Pooled connections to one server's data channel; one exchange per connection at a time."""
+    """Pooled connections to one server's data channel; one exchange per connection at a time.
+
+    `address` is (host, port) for TCP, or the path of the server's Unix socket. Over the Unix
+    socket the channel also registers shared-memory regions (and remembers their ids).
+    """
 
     def __init__(
         self,
-        host: str,
-        port: int,
+        address: tuple[str, int] | str,
         ticket: bytes,
         open_ticket: Callable[[], bytes],
         tls: ssl.SSLContext | None = None,
         max_connections: int = 32,
-        connect_timeout: float = 5.0,  # seconds to reach the port before the client settles for gRPC
+        connect_timeout: float = 5.0,  # seconds to reach the server before the client settles for gRPC
     ) -> None:
-        self.host, self.port, self.tls = host, port, tls
+        self.address, self.tls = address, tls
+        self.unix = isinstance(address, str)
         self._ticket, self._open_ticket = ticket, open_ticket
         self._connect_timeout = connect_timeout
-        self._idle: list[socket.socket] = []
+        self._idle: list[tuple[socket.socket, float]] = []  # with the time each went idle
         # More threads than connections wait for one: the server serves a bounded number anyway.
         self._slots = threading.BoundedSemaphore(max_connections)
         self._lock = threading.Lock()
         self._closed = False
+        self._regions: dict[object, str] = {}  # region -> its id on this server
+
+    def __str__(self) -> str:
+        return self.address if self.unix else f"{self.address[0]}:{self.address[1]}"
 
     def close(self) -> None:
         with self._lock:
             idle, self._idle, self._closed = self._idle, [], True
-        for sock in idle:
+        for sock, _ in idle:
             sock.close()
 
     def warm(self) -> None:
@@ -157,6 +190,42 @@ class DataChannel:
                 recv_into(sock, memoryview(part.view(np.uint8)))
                 view.flat[first : first + part.size] = part
 
+    # Shared-memory regions (Unix socket) -----------------------------------------------------
+
+    def region_id(self, region: object, fd: int, size: int, timeout: float | None) -> str:
+        """The region's id on this server, registering it (its descriptor passed along) on first use."""
+        with self._lock:
+            known = self._regions.get(region)
+        if known is not None:
+            return known
+        payload = REGION.pack(size)
+        with self._connection(timeout) as sock:
+            socket.send_fds(sock, [_header(REGISTER_REGION, None, timeout, len(payload)) + payload], [fd])
+            region_id = bytes(self._reply(sock)).decode()
+        with self._lock:
+            self._regions[region] = region_id
+        return region_id
+
+    def unregister(self, region: object, timeout: float | None) -> None:
+        """Forgets a region here and asks the server to drop it (it unmaps once no call uses it)."""
+        with self._lock:
+            region_id = self._regions.pop(region, None)
+        if region_id is None:
+            return
+        payload = region_id.encode()
+        with self._connection(timeout) as sock:
+            send(sock, _header(UNREGISTER_REGION, None, timeout, len(payload)), payload)
+            self._reply(sock)
+
+    def registered(self) -> list[object]:
+        with self._lock:
+            return list(self._regions)
+
+    def forget_regions(self) -> None:
+        """The server lost them (restarted, or our session's lease lapsed): register again on next use."""
+        with self._lock:
+            self._regions.clear()
+
     # Connections ---------------------------------------------------------------------------
 
     @contextlib.contextmanager
@@ -170,11 +239,9 @@ class DataChannel:
             self._slots.release()
 
     def _exchange(self, timeout: float | None) -> Iterator[socket.socket]:
-        try:
-            sock = self._checkout()
-        except OSError as exc:
-            raise _lost(f"cannot connect to {self.host}:{self.port}: {exc}") from None
-        sock.settimeout(timeout)
+        sock = self._checkout()
+        if sock.gettimeout() != timeout:
+            sock.settimeout(timeout)
         try:
             yield sock
         except AclnnError:
@@ -192,38 +259,77 @@ class DataChannel:
         self._checkin(sock)
 
     def _checkout(self) -> socket.socket:
-        with self._lock:
-            if self._idle:
-                return self._idle.pop()
+        """An idle pooled connection the server has not closed (it reaps idle ones), else a new one."""
+        while True:
+            with self._lock:
+                if not self._idle:
+                    break
+                sock, since = self._idle.pop()
+            if time.monotonic() - since < _CHECK_IDLE_S:
+                return sock
+            readable = select.poll()
+            readable.register(sock, select.POLLIN)
+            if not readable.poll(0):
+                return sock  # nothing to read while idle: still open and in step
+            sock.close()  # closed by the server (or out of step)
         return self._connect()
 
     def _checkin(self, sock: socket.socket) -> None:
         with self._lock:
             if not self._closed:
-                self._idle.append(sock)
+                self._idle.append((sock, time.monotonic()))
                 return
         sock.close()
 
     def _connect(self) -> socket.socket:
-        """A new connection, admitted by the current ticket (by a fresh one once that expired)."""
+        """A new connection, admitted by the current ticket (by a fresh one once that expired).
+
+        NoConnection when none could be had: `refused` when the server answered that it is full
+        (or closed the connection before admitting it: too many handshakes), else unreachable.
+        """
         for attempt in range(2):
-            sock = socket.create_connection((self.host, self.port), timeout=self._connect_timeout)
             try:
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                if self.tls is not None:
-                    sock = self.tls.wrap_socket(sock, server_hostname=self.host)
+                sock = self._open()
+            except OSError as exc:
+                raise NoConnection(f"cannot connect to {self}: {exc}", refused=False) from None
+            try:
                 sock.sendall(MAGIC + self._ticket)
                 self._reply(sock)
                 return sock
             except AclnnError as error:
                 sock.close()
-                if error.grpc_code != grpc.StatusCode.UNAUTHENTICATED or attempt:
-                    raise
-                self._ticket = self._open_ticket()
+                if error.grpc_code == grpc.StatusCode.UNAUTHENTICATED and not attempt:
+                    self._ticket = self._open_ticket()
+                    continue
+                busy = error.grpc_code == grpc.StatusCode.RESOURCE_EXHAUSTED
+                raise NoConnection(f"{self} refused the connection: {error.message}", refused=busy) from None
+            except (OSError, ConnectionLost) as exc:
+                sock.close()
+                raise NoConnection(f"{self} closed the connection before admitting it: {exc}", refused=True) from None
             except BaseException:
                 sock.close()
                 raise
         raise AssertionError("unreachable")
+
+    def _open(self) -> socket.socket:
+        if self.unix:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                sock.settimeout(self._connect_timeout)
+                sock.connect(self.address)
+            except BaseException:
+                sock.close()
+                raise
+            return sock
+        sock = socket.create_connection(self.address, timeout=self._connect_timeout)
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if self.tls is not None:
+                sock = self.tls.wrap_socket(sock, server_hostname=self.address[0])
+        except BaseException:
+            sock.close()
+            raise
+        return sock
 
     def _reply_header(self, sock: socket.socket) -> int:
         """The length of an ok reply; an error reply is raised as its AclnnError."""

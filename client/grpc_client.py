@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import itertools
 import json
 import logging
@@ -24,7 +25,7 @@ from ._proto import aclnn_pb2_grpc as pb_grpc
 from .api import BaseClient, Executor
 from .binding import BoundCall
 from .data_channel import METHODS as DATA_CHANNEL_METHODS
-from .data_channel import DataChannel
+from .data_channel import DataChannel, NoConnection
 from .errors import AclnnError
 from .tensor import Tensor, Value
 from .transfer import Region, RegionPool, byte_view, receive_into, to_chunks
@@ -37,9 +38,11 @@ log = logging.getLogger("aclnn_client")
 _UNLIMITED = -1
 # Worth another try elsewhere (a replica gone, or busy); everything else is the call's own answer.
 _RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
+# A server's device or runtime failure (361001): no retry policy replays it; the pool tries one other replica.
+_DEVICE_FAILED = grpc.StatusCode.ABORTED
 # How long a replica that answered UNAVAILABLE is passed over before it is tried again.
 _DOWN_S = 2.0
-# How often a client holding shared-memory regions renews its session's lease.
+# How often a client holding state on a server (regions, repeatable executors) renews its session's lease.
 _KEEPALIVE_S = 10.0
 _SERVICE_CONFIG = json.dumps(
     {
@@ -88,8 +91,11 @@ class _Download:
     def write_into(self, view: np.ndarray) -> None:
         channel = self.client._data_channel(self.replica)
         if channel is not None:
-            channel.download(self.handle, view, self.client._timeout)
-            return
+            try:
+                channel.download(self.handle, view, self.client._timeout)
+                return
+            except NoConnection as exc:
+                self.client._no_connection(self.replica, exc)
         stub = self.client._stubs[self.replica]
         try:
             chunks = stub.DownloadTensor(
@@ -103,7 +109,9 @@ class _Download:
 class _Staging:
     """One call's bytes outside its messages: uploads, shared-memory regions, kept results.
 
-    Everything it takes is given back at exit, after the outputs were written.
+    Everything it takes is given back at exit, after the outputs were written. Regions of a
+    call that did not end normally are retired, not reused: the server may still be writing
+    its late results into them.
     """
 
     def __init__(self, client: Client) -> None:
@@ -115,14 +123,17 @@ class _Staging:
     def __enter__(self) -> _Staging:
         return self
 
-    def __exit__(self, *exc_info: object) -> None:
-        self.reset()
+    def __exit__(self, exc_type: type | None, *exc_info: object) -> None:
+        self.reset(failed=exc_type is not None)
 
-    def reset(self) -> None:
-        """Gives back what an attempt took (before a retry on another replica, or at the end)."""
+    def reset(self, failed: bool) -> None:
+        """Gives back what an attempt took (at the end, or after a failed attempt before a retry)."""
         for replica, handle in self.handles:
             self.client._free(replica, handle)
-        self.client._regions.release(self.regions)
+        if failed:
+            self.client._retire(self.regions)
+        else:
+            self.client._regions.release(self.regions)
         self.handles, self.regions, self.output_regions = [], [], {}
 
     def input(self, replica: int, tensor: Tensor) -> bytes | pb.StorageRef:
@@ -130,8 +141,8 @@ class _Staging:
         data = byte_view(tensor.data)
         region = self._region(replica, data.nbytes)
         if region is not None:
-            region.array[: data.nbytes] = np.frombuffer(data, np.uint8)
-            return pb.StorageRef(region=pb.RegionSlice(region=region.name, offset=0, size=data.nbytes))
+            region[0].array[: data.nbytes] = np.frombuffer(data, np.uint8)
+            return pb.StorageRef(region=pb.RegionSlice(region=region[1], offset=0, size=data.nbytes))
         if data.nbytes > self.client.max_inline_bytes:
             handle = self.client._upload(replica, data)
             self.handles.append((replica, handle))
@@ -143,8 +154,8 @@ class _Staging:
         for name, size in sizes.items():
             region = self._region(replica, size)
             if region is not None:
-                self.output_regions[name] = region
-                placements[name].region.CopyFrom(pb.RegionSlice(region=region.name, offset=0, size=size))
+                self.output_regions[name] = region[0]
+                placements[name].region.CopyFrom(pb.RegionSlice(region=region[1], offset=0, size=size))
             elif size > self.client.max_inline_bytes:
                 placements[name].keep_on_server = True
 
@@ -162,12 +173,13 @@ class _Staging:
                 results[name] = decode_output(output)
         return results
 
-    def _region(self, replica: int, size: int) -> Region | None:
+    def _region(self, replica: int, size: int) -> tuple[Region, str] | None:
+        """A region for `size` bytes and its id on the replica; None: the bytes go another way."""
         if not self.client._shared_memory or size == 0:
             return None
         region = self.client._region(replica, size)
         if region is not None:
-            self.regions.append(region)
+            self.regions.append(region[0])
         return region
 
 
@@ -182,12 +194,13 @@ class Client(BaseClient):
     for TLS (all three for mutual TLS). `timeout` is each RPC's deadline in seconds.
 
     Tensors larger than `max_inline_bytes` are streamed in chunks and referenced by handle,
-    so they may exceed gRPC's message limits (2 GiB included). With `shared_memory=True`,
-    tensor bytes go through POSIX shared memory when the server shares this host (through
-    messages otherwise). With `data_channel=True` (the default), calls and tensor bytes go
-    over the server's data channel, a TCP connection beside gRPC (with the same TLS) that
-    moves bytes without protobuf copies; gRPC when the server offers none, or it cannot be
-    reached.
+    so they may exceed gRPC's message limits (2 GiB included). With `data_channel=True` (the
+    default), calls and tensor bytes go over the server's data channel, which moves bytes
+    without protobuf copies: its Unix socket when the server runs on this host (a loopback
+    target; `unix_socket=False`: never), else a TCP connection beside gRPC (with the same
+    TLS); gRPC when the server offers neither, or cannot take a connection now. With
+    `shared_memory=True` as well, tensor bytes go through shared memory (sealed memfds,
+    passed to the server over its Unix socket) when it has one on this host.
     """
 
     def __init__(
@@ -200,6 +213,7 @@ class Client(BaseClient):
         certificate_chain: bytes | None = None,
         shared_memory: bool = False,
         data_channel: bool = True,
+        unix_socket: bool = True,
         timeout: float | None = None,
         max_inline_bytes: int = 4 << 20,
         options: Sequence[tuple[str, Any]] = (),
@@ -239,9 +253,14 @@ class Client(BaseClient):
             self._base_metadata += (("authorization", f"Bearer {token}"),)
         self._timeout = timeout
         self.max_inline_bytes = max_inline_bytes
-        self._shared_memory = shared_memory
+        self._unix_socket = unix_socket
+        self._shared_memory = shared_memory and hasattr(os, "memfd_create")
         self._regions = RegionPool()
-        self._registered: set[tuple[int, str]] = set()
+        # Replicas holding state of this client's session (regions, executors), with a count each:
+        # the keepalive thread renews their leases while any is held.
+        self._held: dict[int, int] = {}
+        self._held_lock = threading.Lock()
+        self._region_replicas: set[int] = set()
         self._keepalive: threading.Thread | None = None
         self._closed = threading.Event()
         self._operators: dict[str, frozenset[str]] | None = None
@@ -250,16 +269,16 @@ class Client(BaseClient):
     def close(self) -> None:
         super().close()
         self._closed.set()
-        for replica, name in list(self._registered):
-            try:
-                self._call_on(replica, "UnregisterRegion", pb.RegisterRegionRequest(region=name))
-            except AclnnError:
-                pass  # the server is gone: its lease on our session lapses by itself
-        self._registered.clear()
+        channels = [c for c in list(self._data_channels.values()) if c is not None]
+        for channel in channels:
+            for region in channel.registered():
+                try:
+                    channel.unregister(region, self._timeout)
+                except (AclnnError, NoConnection):
+                    pass  # the server is gone: its lease on our session lapses by itself
         self._regions.close()
-        for data in self._data_channels.values():
-            if data is not None:
-                data.close()
+        for channel in channels:
+            channel.close()
         for channel in self._channels:
             channel.close()
 
@@ -278,14 +297,22 @@ class Client(BaseClient):
 
     def _call_on(self, replica: int, method: str, request: Any, stream: int | None = None) -> Any:
         channel = self._data_channel(replica) if method in DATA_CHANNEL_METHODS else None
-        if channel is None:
-            return self._call_grpc(replica, method, request, stream)
-        try:
-            return channel.call(method, request, stream, self._timeout)
-        except AclnnError as error:
-            if error.grpc_code == grpc.StatusCode.UNAVAILABLE:
-                self._forget_data_channel(replica)  # the server may be back on another port: ask again
-            raise
+        if channel is not None:
+            try:
+                return channel.call(method, request, stream, self._timeout)
+            except NoConnection as exc:
+                self._no_connection(replica, exc)  # nothing was sent: gRPC carries it
+            except AclnnError as error:
+                if error.grpc_code == grpc.StatusCode.UNAVAILABLE:
+                    self._forget_data_channel(replica)  # the server may be back on another port: ask again
+                raise
+        return self._call_grpc(replica, method, request, stream)
+
+    def _no_connection(self, replica: int, exc: NoConnection) -> None:
+        """The data channel had no connection for a request (which then goes over gRPC)."""
+        log.debug("data channel of replica %d: %s; this request goes over gRPC", replica, exc)
+        if not exc.refused:
+            self._forget_data_channel(replica)  # gone, or restarted elsewhere: ask for a new one next time
 
     def _call_grpc(self, replica: int, method: str, request: Any, stream: int | None = None) -> Any:
         try:
@@ -306,15 +333,26 @@ class Client(BaseClient):
         return first
 
     def _call_any(self, method: str, build: Callable[[int], Any], stream: int | None = None) -> tuple[Any, int]:
-        """Builds the request for the next replica in turn and calls it; a gone or busy one hands it on."""
+        """Builds the request for the next replica in turn and calls it; a gone or busy one hands it on.
+
+        A device failure (ABORTED) is not a replica gone: one other replica is tried, once, and the
+        one whose device failed is not tried again.
+        """
         attempts = max(3, 2 * len(self._stubs))
+        device_failed: int | None = None
         for attempt in range(attempts):
             replica = self._next_replica()
+            if replica == device_failed:
+                replica = (replica + 1) % len(self._stubs)
             try:
                 return self._call_on(replica, method, build(replica), stream), replica
             except AclnnError as error:
-                if error.grpc_code not in _RETRYABLE or attempt == attempts - 1:
+                elsewhere = error.grpc_code == _DEVICE_FAILED and device_failed is None and len(self._stubs) > 1
+                if not (elsewhere or error.grpc_code in _RETRYABLE) or attempt == attempts - 1:
                     raise
+                if elsewhere:
+                    device_failed = replica
+                    continue
                 if error.grpc_code == grpc.StatusCode.UNAVAILABLE:
                     self._down_until[replica] = time.monotonic() + _DOWN_S
                 if len(self._stubs) == 1 or attempt >= len(self._stubs) - 1:
@@ -335,6 +373,9 @@ class Client(BaseClient):
         return plan.workspace_size, f"{replica}/{plan.executor}"
 
     def _execute(self, executor: Executor, stream: int | None) -> None:
+        self._regions_kept(lambda: self._execute_once(executor, stream))
+
+    def _execute_once(self, executor: Executor, stream: int | None) -> None:
         call = executor.call
         sizes = _output_sizes(call.values, call.output_targets)
         for attempt in range(2):
@@ -353,17 +394,21 @@ class Client(BaseClient):
                 except AclnnError as error:
                     if error.grpc_code != grpc.StatusCode.UNAVAILABLE or attempt:
                         raise
+                    staging.reset(failed=True)
                     self._replan(executor)  # its replica is gone, and the executor with it
                     continue
                 call.write_outputs(staging.results(int(replica), reply.outputs))
                 return
 
     def _run(self, call: BoundCall, stream: int | None) -> None:
+        self._regions_kept(lambda: self._run_once(call, stream))
+
+    def _run_once(self, call: BoundCall, stream: int | None) -> None:
         sizes = _output_sizes(call.values, call.output_targets)
         with _Staging(self) as staging:
 
             def build(replica: int) -> pb.OpCall:
-                staging.reset()  # a previous attempt's uploads and regions belong to another replica
+                staging.reset(failed=True)  # a previous attempt's, which failed (its regions may still be written)
                 request = encode_call(call.op, call.descriptors())
                 for name, tensor in call.inputs().items():
                     staged = staging.input(replica, tensor)
@@ -376,6 +421,21 @@ class Client(BaseClient):
 
             reply, replica = self._call_any("Run", build, stream)
             call.write_outputs(staging.results(replica, reply.outputs))
+
+    def _regions_kept(self, attempt: Callable[[], None]) -> None:
+        """Runs a call; when a server lost this session's regions (it restarted, or the lease lapsed),
+        registers them again and runs it once more."""
+        try:
+            return attempt()
+        except AclnnError as error:
+            if not (self._shared_memory and error.param == "region" and "is not registered" in error.message):
+                raise
+        log.info("a server lost this client's shared-memory regions: registering them again")
+        for channel in list(self._data_channels.values()):
+            if channel is not None:
+                channel.forget_regions()
+        attempt()
+        return None
 
     def _replan(self, executor: Executor) -> None:
         executor.workspace_size, executor.id = self._get_workspace_size(executor.op, executor.call.descriptors())
@@ -397,7 +457,10 @@ class Client(BaseClient):
     def _upload(self, replica: int, data: memoryview) -> str:
         channel = self._data_channel(replica)
         if channel is not None:
-            return channel.upload(data, self._timeout)
+            try:
+                return channel.upload(data, self._timeout)
+            except NoConnection as exc:
+                self._no_connection(replica, exc)
         try:
             reply = self._stubs[replica].UploadTensor(to_chunks(data), metadata=self._metadata(), timeout=self._timeout)
         except grpc.RpcError as error:
@@ -414,8 +477,11 @@ class Client(BaseClient):
         return self._data_channels[replica]
 
     def _open_data_channel(self, replica: int) -> DataChannel | None:
-        host = data_channel_host(self._addresses[replica])
-        if host is None:
+        """The server's Unix socket when it runs on this host, else its TCP data channel; None: gRPC only."""
+        address = self._addresses[replica]
+        host = data_channel_host(address)
+        local = address.startswith("unix:") or (host is not None and _is_loopback(host))
+        if host is None and not local:
             return None
         try:
             offer = self._call_grpc(replica, "OpenDataChannel", pb.Empty())
@@ -423,20 +489,33 @@ class Client(BaseClient):
             if error.grpc_code == grpc.StatusCode.UNIMPLEMENTED:
                 return None  # a server from before the data channel
             raise
-        if not offer.port:
-            return None
 
         def open_ticket() -> bytes:
             return self._call_grpc(replica, "OpenDataChannel", pb.Empty()).ticket
 
-        try:
-            tls = tls_context(*self._tls_pem) if self._tls_pem else None
-            channel = DataChannel(host, offer.port, offer.ticket, open_ticket, tls=tls)
-            channel.warm()  # one real connection (TLS and admission included) proves the way
-        except (OSError, AclnnError) as exc:
-            log.warning("data channel %s:%d unusable (%s): using gRPC only", host, offer.port, exc)
-            return None
-        return channel
+        ways: list[tuple[str, int] | str] = []
+        if offer.unix_path and local and self._unix_socket:
+            ways.append(offer.unix_path)
+        if offer.port and host is not None:
+            ways.append((host, offer.port))
+        failures = []
+        for way in ways:
+            tls = tls_context(*self._tls_pem) if self._tls_pem and not isinstance(way, str) else None
+            channel = DataChannel(way, offer.ticket, open_ticket, tls=tls)
+            try:
+                channel.warm()  # one real connection (TLS and admission included) proves the way
+            except NoConnection as exc:
+                if exc.refused:
+                    return channel  # reachable but full now: requests go over gRPC until it admits one
+                failures.append(str(exc))
+                continue
+            except (OSError, AclnnError) as exc:
+                failures.append(f"{channel}: {exc}")
+                continue
+            return channel
+        if failures:
+            log.warning("data channel unusable (%s): using gRPC only", "; ".join(failures))
+        return None
 
     def _forget_data_channel(self, replica: int) -> None:
         with self._data_lock:
@@ -450,38 +529,65 @@ class Client(BaseClient):
         except AclnnError:
             pass  # gone with its replica, or freed when the session lapses
 
-    def _region(self, replica: int, size: int) -> Region | None:
-        """A pooled region registered with `replica`, or None when the server cannot map it (another host)."""
+    def _region(self, replica: int, size: int) -> tuple[Region, str] | None:
+        """A pooled region and its id on `replica` (registered on first use); None when the replica
+        has no Unix socket on this host, or takes no region now (the bytes then go another way)."""
+        channel = self._data_channel(replica)
+        if channel is None or not channel.unix:
+            return None
         region = self._regions.acquire(size)
-        key = (replica, region.name)
-        if key not in self._registered:
-            try:
-                self._call_on(replica, "RegisterRegion", pb.RegisterRegionRequest(region=region.name, size=region.size))
-            except AclnnError as error:
-                self._regions.release([region])
-                if error.param != "region":
-                    raise
-                self._shared_memory = False  # the server is not on this host: messages from now on
-                return None
-            self._registered.add(key)
-            self._start_keepalive()
-        return region
+        try:
+            region_id = channel.region_id(region, region.fd, region.size, self._timeout)
+        except (AclnnError, NoConnection) as exc:
+            self._regions.release([region])
+            log.debug("no shared memory for %d bytes on replica %d: %s", size, replica, exc)
+            return None
+        if replica not in self._region_replicas:
+            self._region_replicas.add(replica)
+            self._hold_session(replica)  # pooled regions live as long as this client
+        return region, region_id
 
-    def _start_keepalive(self) -> None:
-        """Renews the session's lease while regions are registered, so the server keeps them mapped."""
-        if self._keepalive is not None:
+    def _retire(self, regions: list[Region]) -> None:
+        """Regions of a call that did not end normally: the server may still write its late results
+        into them, so they are never reused. Each is unregistered (the server unmaps it once the
+        call's last use of it ends) and closed; the pool makes fresh ones."""
+        if not regions:
             return
+        self._regions.retire(regions)
+        channels = [c for c in list(self._data_channels.values()) if c is not None and c.unix]
+        for region in regions:
+            for channel in channels:
+                try:
+                    channel.unregister(region, self._timeout)
+                except (AclnnError, NoConnection):
+                    pass  # unreachable now: the session's lease ends it
+            region.close()
 
-        def renew() -> None:
-            while not self._closed.wait(_KEEPALIVE_S):
-                for replica in {r for r, _ in self._registered}:
-                    try:
-                        self._call_on(replica, "KeepAlive", pb.Empty())
-                    except AclnnError:
-                        pass
+    def _hold_session(self, replica: int) -> None:
+        """Something of this client's session lives on `replica` (regions, a repeatable executor): its
+        lease is renewed (KeepAlive) until as many `_release_session` calls."""
+        with self._held_lock:
+            self._held[replica] = self._held.get(replica, 0) + 1
+            if self._keepalive is None:
+                self._keepalive = threading.Thread(target=self._renew, name="aclnn-keepalive", daemon=True)
+                self._keepalive.start()
 
-        self._keepalive = threading.Thread(target=renew, name="aclnn-keepalive", daemon=True)
-        self._keepalive.start()
+    def _release_session(self, replica: int) -> None:
+        with self._held_lock:
+            self._held[replica] -= 1
+            if not self._held[replica]:
+                del self._held[replica]
+
+    def _renew(self) -> None:
+        """Renews the leases of sessions holding state until close(); a failure is logged, never fatal."""
+        while not self._closed.wait(_KEEPALIVE_S):
+            with self._held_lock:
+                replicas = list(self._held)
+            for replica in replicas:
+                try:
+                    self._call_on(replica, "KeepAlive", pb.Empty())
+                except Exception as exc:  # the thread must outlive any one failure
+                    log.warning("keepalive to %s failed: %s", self._addresses[replica], exc)
 
 
 def tls_context(
@@ -506,6 +612,15 @@ def data_channel_host(address: str) -> str | None:
     if not colon or not port.isdigit() or "/" in host or host.startswith(("unix", "ipv4", "ipv6", "vsock")):
         return None
     return host[1:-1] if host.startswith("[") else host
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _output_sizes(values: Mapping[str, Value], outputs: Any) -> dict[str, int]:

@@ -1,11 +1,12 @@
-"""Moving tensor bytes outside unary messages: chunked streams and POSIX shared memory."""
+"""Moving tensor bytes outside unary messages: chunked streams and shared memory (sealed memfds)."""
 
 from __future__ import annotations
 
-import secrets
+import fcntl
+import mmap
+import os
 import threading
 from collections.abc import Iterable, Iterator
-from multiprocessing import shared_memory
 
 import numpy as np
 
@@ -53,17 +54,31 @@ def receive_into(view: np.ndarray, chunks: Iterable[pb.TensorChunk]) -> None:
 
 
 class Region:
-    """A POSIX shared-memory region this client created (and unlinks when closed)."""
+    """A shared-memory region this client created: a memfd sealed against shrinking and growing, mapped here.
+
+    Servers receive its descriptor (over their Unix socket), never a name, and can trust its
+    size: neither side can truncate it under the other.
+    """
 
     def __init__(self, size: int) -> None:
-        self.shm = shared_memory.SharedMemory(name="aclnn-" + secrets.token_hex(12), create=True, size=size)
-        self.name, self.size = self.shm.name.lstrip("/"), size
-        self.array = np.ndarray((size,), np.uint8, buffer=self.shm.buf)
+        fd = os.memfd_create("aclnn-region", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            os.ftruncate(fd, size)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+            self.map = mmap.mmap(fd, size)
+        except BaseException:
+            os.close(fd)
+            raise
+        self.fd, self.size = fd, size
+        self.array = np.ndarray((size,), np.uint8, buffer=self.map)
 
     def close(self) -> None:
         del self.array
-        self.shm.close()
-        self.shm.unlink()
+        try:
+            self.map.close()
+        except BufferError:
+            pass  # results still viewed by the caller: the mapping goes with them
+        os.close(self.fd)
 
 
 class RegionPool:
@@ -90,6 +105,12 @@ class RegionPool:
     def release(self, regions: Iterable[Region]) -> None:
         with self._lock:
             self._free.extend(regions)
+
+    def retire(self, regions: Iterable[Region]) -> None:
+        """Takes regions out of the pool for good (the caller closes them)."""
+        with self._lock:
+            for region in regions:
+                self.all.remove(region)
 
     def close(self) -> list[Region]:
         with self._lock:

@@ -31,7 +31,9 @@ class ServerOptions(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="ACLNN_", extra="forbid", validate_default=True)
 
-    host: str = Field("127.0.0.1", description="address to bind; a non-loopback address needs TLS or --insecure")
+    host: str = Field(
+        "127.0.0.1", description="address to bind; a non-loopback address needs TLS and tokens, or --insecure"
+    )
     port: int = Field(50051, ge=0, le=65535, description="port to bind; 0 picks a free one")
     backend: BackendName = Field("auto", description="compute backend: auto, numpy, cpu, torch or npu")
     device: int = Field(0, ge=0, description="NPU device id for --backend npu")
@@ -43,13 +45,37 @@ class ServerOptions(BaseSettings):
         description="data channel port (TCP beside gRPC for tensor bytes and fast calls, with the same TLS); "
         "0 picks a free one, -1 = off",
     )
+    unix_socket: str = Field(
+        "auto",
+        description="Unix domain socket for clients on this host (the data channel, plus shared-memory regions "
+        "passed as memfds): a path, 'auto' (a fresh directory under the temp directory), or 'off'",
+    )
+    data_max_connections_per_tenant: int = Field(
+        16, ge=1, description="data-channel connections one identity may hold open; beyond: refused (gRPC carries on)"
+    )
+    data_max_handshakes: int = Field(
+        64, ge=1, description="data-channel connections not yet admitted by a ticket; beyond: new ones closed at once"
+    )
+    data_handshake_timeout_s: float = Field(
+        5.0, gt=0, description="seconds a data-channel connection has to present its ticket (TLS included); "
+        "also each request's allowance, plus 1 s per MiB",
+    )
+    data_idle_timeout_s: float = Field(
+        60.0, gt=0, description="seconds an admitted data-channel connection may stay idle before it is closed"
+    )
     metrics_port: int = Field(0, ge=0, le=65535, description="Prometheus /metrics port; 0 = off")
     tls_cert: pathlib.Path | None = Field(None, description="server certificate chain (PEM)")
     tls_key: pathlib.Path | None = Field(None, description="server private key (PEM)")
     tls_client_ca: pathlib.Path | None = Field(None, description="CA bundle for client certificates: mutual TLS")
     auth_token_file: pathlib.Path | None = Field(None, description="bearer tokens, one per line; enables auth")
     insecure: bool = Field(False, description="allow a non-loopback address without TLS and tokens")
-    max_message_bytes: int = Field(1 << 30, ge=1 << 20, le=2**31 - 1, description="largest message, in bytes")
+    max_message_bytes: int = Field(
+        64 << 20,
+        ge=1 << 20,
+        le=2**31 - 1,
+        description="largest gRPC message, in bytes (larger tensors travel as uploads, downloads or over the "
+        "data channel; messages being received are only counted in the memory budget once whole)",
+    )
     max_concurrency: int = Field(2, ge=1, description="operator executions running at once")
     max_queue: int = Field(64, ge=0, description="executions waiting for a slot; beyond: RESOURCE_EXHAUSTED")
     memory_budget_bytes: int | None = Field(

@@ -9,8 +9,6 @@ ended. Handle bytes are held in the memory ledger, against their owner's share.
 from __future__ import annotations
 
 import mmap
-import os
-import re
 import secrets
 import threading
 import time
@@ -19,12 +17,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from aclnn_client.errors import invalid_error
+from aclnn_client.errors import Status, invalid_error
 
+from .executors import CapacityError
 from .ledger import Hold, MemoryLedger
-
-_REGION_NAME = re.compile(r"[A-Za-z0-9_.-]{1,200}")
-SHM_DIR = "/dev/shm"
+from .regions import MAX_REGIONS_PER_IDENTITY, MappedRegion
 
 
 @dataclass
@@ -32,7 +29,7 @@ class Session:
     owner: str | None
     expires: float
     handles: dict[str, tuple[memoryview, Hold]] = field(default_factory=dict)
-    regions: dict[str, mmap.mmap] = field(default_factory=dict)
+    regions: dict[str, MappedRegion] = field(default_factory=dict)
 
 
 class Storage:
@@ -146,48 +143,50 @@ class Storage:
 
     # Regions ------------------------------------------------------------------------------
 
-    def register_region(self, session_id: str | None, owner: str | None, name: str, size: int) -> None:
-        """Maps the client's POSIX shared-memory region `name`, which must hold at least `size` bytes."""
-        if not _REGION_NAME.fullmatch(name):
-            raise invalid_error("region", f"{name!r} is not a shared-memory name")
-        try:
-            fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR)
-        except OSError as exc:
-            raise invalid_error("region", f"cannot open shared memory {name!r} here: {exc.strerror}") from None
-        try:
-            actual = os.fstat(fd).st_size
-            if size == 0 or size > actual:
-                raise invalid_error("region", f"{name!r} holds {actual} bytes, fewer than the {size} declared")
-            region = mmap.mmap(fd, size)
-        finally:
-            os.close(fd)
-        with self._lock:
-            session = self._session(session_id, owner)
-            old = session.regions.pop(name, None)
-            session.regions[name] = region
-        if old is not None:
-            _unmap(old)
+    def register_region(self, session_id: str | None, owner: str | None, region: mmap.mmap) -> str:
+        """Keeps a mapped region (regions.map_region) in the session; returns its id there.
 
-    def unregister_region(self, session_id: str | None, owner: str | None, name: str) -> None:
+        Its bytes are held in the ledger against the owner's share (the server may fault its
+        pages in), and an identity keeps at most MAX_REGIONS_PER_IDENTITY at once.
+        """
+        try:
+            with self._lock:
+                self._session(session_id, owner)
+                count = sum(len(s.regions) for s in self._sessions.values() if s.owner == owner)
+            if count >= MAX_REGIONS_PER_IDENTITY:
+                raise CapacityError(
+                    Status.INNER_CREATE_EXECUTOR,
+                    f"this caller has {count} regions registered: unregister some first",
+                    "region",
+                )
+            hold = self.ledger.reserve(owner, len(region), "region", "region")
+        except BaseException:
+            region.close()
+            raise
+        region_id = secrets.token_hex(16)
         with self._lock:
-            region = self._session(session_id, owner).regions.pop(name, None)
+            self._session(session_id, owner).regions[region_id] = MappedRegion(region, hold)
+        return region_id
+
+    def unregister_region(self, session_id: str | None, owner: str | None, region_id: str) -> None:
+        with self._lock:
+            region = self._session(session_id, owner).regions.pop(region_id, None)
         if region is None:
-            raise invalid_error("region", f"{name!r} is not registered")
+            raise invalid_error("region", f"{region_id[:8]!r}... is not registered")
         _unmap(region)
 
-    def region_slice(self, session_id: str | None, owner: str | None, name: str, offset: int, size: int) -> memoryview:
+    def region_slice(
+        self, session_id: str | None, owner: str | None, region_id: str, offset: int, size: int
+    ) -> memoryview:
         """Bytes [offset, offset + size) of a registered region, checked against its bounds."""
         with self._lock:
-            region = self._session(session_id, owner).regions.get(name)
+            region = self._session(session_id, owner).regions.get(region_id)
         if region is None:
-            raise invalid_error("region", f"{name!r} is not registered")
+            raise invalid_error("region", f"{region_id[:8]!r}... is not registered")
         if offset + size > len(region):
-            raise invalid_error("region", f"[{offset}, {offset + size}) lies outside {name!r} ({len(region)} bytes)")
-        return memoryview(region)[offset : offset + size]
+            raise invalid_error("region", f"[{offset}, {offset + size}) lies outside the region ({len(region)} bytes)")
+        return memoryview(region.map)[offset : offset + size]
 
 
-def _unmap(region: mmap.mmap) -> None:
-    try:
-        region.close()
-    except BufferError:
-        pass  # a call still reads it: the mapping goes when its last view does
+def _unmap(region: MappedRegion) -> None:
+    region.close()  # the mapping itself goes with the last view of a call still using it

@@ -200,12 +200,19 @@ def test_protocol_violations_close_the_connection(serve):
 
 
 def test_no_data_channel_when_off(serve, rng):
-    served = serve(data_port=-1)
+    served = serve(data_port=-1, unix_socket="off")
     assert served.server.data_channel is None
     assert ticket(served.address).port == 0
     p = layer_norm_call(rng, (4, 16))
     with Client(served.address) as c:
         c.run(OP, **p)  # over gRPC
+    check(p)
+    tcp_off = serve(data_port=-1)  # the Unix socket alone
+    offer = ticket(tcp_off.address)
+    assert offer.port == 0 and offer.unix_path
+    with Client(tcp_off.address) as c:
+        c.run(OP, **p)
+        assert tcp_off.server.data_channel.open_connections == 1
     check(p)
 
 
@@ -223,9 +230,12 @@ def test_data_channel_has_the_grpc_ports_tls(serve, certs, rng, mutual):
         identity = dict(private_key=certs.client.key, certificate_chain=certs.client.cert)
     served = serve(**tls)
     p = layer_norm_call(rng, (512, 1024))  # large tensors: uploads and downloads over TLS too
-    with Client(served.address, root_certificates=certs.ca.cert, max_inline_bytes=MIB, **identity) as c:
+    # unix_socket=False: the TCP port with its TLS, not the Unix socket a client on this host would take.
+    tcp_only = dict(max_inline_bytes=MIB, unix_socket=False)
+    with Client(served.address, root_certificates=certs.ca.cert, **tcp_only, **identity) as c:
         c.run(OP, **p)
         assert served.server.data_channel.open_connections == 1
+        assert not c._data_channel(0).unix
     check(p)
     # Plaintext on the TLS port is never admitted: at most a TLS alert record, then the close.
     with socket.create_connection(("127.0.0.1", served.server.data_channel.port), timeout=10) as sock:

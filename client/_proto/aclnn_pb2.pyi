@@ -178,14 +178,6 @@ class TensorHandle(_message.Message):
     size: int
     def __init__(self, handle: _Optional[str] = ..., size: _Optional[int] = ...) -> None: ...
 
-class RegisterRegionRequest(_message.Message):
-    __slots__ = ("region", "size")
-    REGION_FIELD_NUMBER: _ClassVar[int]
-    SIZE_FIELD_NUMBER: _ClassVar[int]
-    region: str
-    size: int
-    def __init__(self, region: _Optional[str] = ..., size: _Optional[int] = ...) -> None: ...
-
 class ExecuteResponse(_message.Message):
     __slots__ = ("outputs",)
     class OutputsEntry(_message.Message):
@@ -215,12 +207,14 @@ class RunResponse(_message.Message):
     def __init__(self, workspace_size: _Optional[int] = ..., outputs: _Optional[_Mapping[str, OutputTensor]] = ...) -> None: ...
 
 class DataChannelTicket(_message.Message):
-    __slots__ = ("port", "ticket")
+    __slots__ = ("port", "ticket", "unix_path")
     PORT_FIELD_NUMBER: _ClassVar[int]
     TICKET_FIELD_NUMBER: _ClassVar[int]
+    UNIX_PATH_FIELD_NUMBER: _ClassVar[int]
     port: int
     ticket: bytes
-    def __init__(self, port: _Optional[int] = ..., ticket: _Optional[bytes] = ...) -> None: ...
+    unix_path: str
+    def __init__(self, port: _Optional[int] = ..., ticket: _Optional[bytes] = ..., unix_path: _Optional[str] = ...) -> None: ...
 
 class ExecutorRef(_message.Message):
     __slots__ = ("executor",)

@@ -80,16 +80,6 @@ class AclnnStub:
                 request_serializer=aclnn_dot_v1_dot_aclnn__pb2.TensorHandle.SerializeToString,
                 response_deserializer=aclnn_dot_v1_dot_aclnn__pb2.Empty.FromString,
                 _registered_method=True)
-        self.RegisterRegion = channel.unary_unary(
-                '/aclnn.v1.Aclnn/RegisterRegion',
-                request_serializer=aclnn_dot_v1_dot_aclnn__pb2.RegisterRegionRequest.SerializeToString,
-                response_deserializer=aclnn_dot_v1_dot_aclnn__pb2.Empty.FromString,
-                _registered_method=True)
-        self.UnregisterRegion = channel.unary_unary(
-                '/aclnn.v1.Aclnn/UnregisterRegion',
-                request_serializer=aclnn_dot_v1_dot_aclnn__pb2.RegisterRegionRequest.SerializeToString,
-                response_deserializer=aclnn_dot_v1_dot_aclnn__pb2.Empty.FromString,
-                _registered_method=True)
         self.KeepAlive = channel.unary_unary(
                 '/aclnn.v1.Aclnn/KeepAlive',
                 request_serializer=aclnn_dot_v1_dot_aclnn__pb2.Empty.SerializeToString,
@@ -166,19 +156,6 @@ class AclnnServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def RegisterRegion(self, request, context):
-        """Same-host shared memory: the server maps a client's region; tensors reference slices of it.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def UnregisterRegion(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
     def KeepAlive(self, request, context):
         """Renews the calling session's lease; its handles and regions are freed when it lapses.
         """
@@ -187,7 +164,8 @@ class AclnnServicer:
         raise NotImplementedError('Method not implemented!')
 
     def OpenDataChannel(self, request, context):
-        """A ticket for one data-channel connection (fast bulk bytes and unary calls).
+        """A ticket for data-channel connections (fast bulk bytes and unary calls; on this host,
+        shared-memory regions, which are registered over the Unix socket only, never by name).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -239,16 +217,6 @@ def add_AclnnServicer_to_server(servicer, server):
             'FreeTensor': grpc.unary_unary_rpc_method_handler(
                     servicer.FreeTensor,
                     request_deserializer=aclnn_dot_v1_dot_aclnn__pb2.TensorHandle.FromString,
-                    response_serializer=aclnn_dot_v1_dot_aclnn__pb2.Empty.SerializeToString,
-            ),
-            'RegisterRegion': grpc.unary_unary_rpc_method_handler(
-                    servicer.RegisterRegion,
-                    request_deserializer=aclnn_dot_v1_dot_aclnn__pb2.RegisterRegionRequest.FromString,
-                    response_serializer=aclnn_dot_v1_dot_aclnn__pb2.Empty.SerializeToString,
-            ),
-            'UnregisterRegion': grpc.unary_unary_rpc_method_handler(
-                    servicer.UnregisterRegion,
-                    request_deserializer=aclnn_dot_v1_dot_aclnn__pb2.RegisterRegionRequest.FromString,
                     response_serializer=aclnn_dot_v1_dot_aclnn__pb2.Empty.SerializeToString,
             ),
             'KeepAlive': grpc.unary_unary_rpc_method_handler(
@@ -504,60 +472,6 @@ class Aclnn:
             target,
             '/aclnn.v1.Aclnn/FreeTensor',
             aclnn_dot_v1_dot_aclnn__pb2.TensorHandle.SerializeToString,
-            aclnn_dot_v1_dot_aclnn__pb2.Empty.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def RegisterRegion(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/aclnn.v1.Aclnn/RegisterRegion',
-            aclnn_dot_v1_dot_aclnn__pb2.RegisterRegionRequest.SerializeToString,
-            aclnn_dot_v1_dot_aclnn__pb2.Empty.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def UnregisterRegion(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/aclnn.v1.Aclnn/UnregisterRegion',
-            aclnn_dot_v1_dot_aclnn__pb2.RegisterRegionRequest.SerializeToString,
             aclnn_dot_v1_dot_aclnn__pb2.Empty.FromString,
             options,
             channel_credentials,

@@ -28,6 +28,8 @@ from ..params import check
 from ..storage import Storage
 from .auth import TokenAuthInterceptor, caller_identity, read_tokens
 from .data_channel import DataChannelServer
+from .data_channel import Limits as DataChannelLimits
+from .limits import CallLimit
 from .service import AclnnService, failure_status
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Aclnn"].full_name
@@ -133,12 +135,6 @@ class AclnnServicer(pb_grpc.AclnnServicer):
     def FreeTensor(self, request: pb.TensorHandle, context: grpc.ServicerContext) -> pb.Empty:
         return self._serve("FreeTensor", request, context)
 
-    def RegisterRegion(self, request: pb.RegisterRegionRequest, context: grpc.ServicerContext) -> pb.Empty:
-        return self._serve("RegisterRegion", request, context)
-
-    def UnregisterRegion(self, request: pb.RegisterRegionRequest, context: grpc.ServicerContext) -> pb.Empty:
-        return self._serve("UnregisterRegion", request, context)
-
     def KeepAlive(self, request: pb.Empty, context: grpc.ServicerContext) -> pb.Empty:
         return self._serve("KeepAlive", request, context)
 
@@ -171,14 +167,20 @@ class AclnnServer:
         self.options, self.engine = options, engine
         self.metrics = Metrics(lambda: len(engine.executors))
         self.storage = Storage(options.session_ttl_s, engine.ledger, engine.executors.end_session)
+        self.metrics.track_memory(lambda: engine.ledger.held, engine.ledger.held_by_kind, engine.ledger.budget_bytes)
         self.health = health.HealthServicer(experimental_non_blocking=True)
-        interceptors = [TokenAuthInterceptor(read_tokens(options.auth_token_file))] if options.auth_token_file else []
-        # Threads for every admitted or queued execution, plus a few for cheap calls (plans, health).
+        # Calls other than health checks: one per admitted or queued execution, plus a few cheap ones
+        # (plans, uploads); beyond them RESOURCE_EXHAUSTED at once. Health checks have threads of their own.
         workers = options.max_concurrency + options.max_queue + 4
+        self._health_pool = futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="aclnn-health")
+        self.call_limit = CallLimit(workers, self._health_pool, self.metrics.refused.inc)
+        interceptors: list[grpc.ServerInterceptor] = [self.call_limit]  # outermost: calls auth refuses count too
+        if options.auth_token_file:
+            interceptors.append(TokenAuthInterceptor(read_tokens(options.auth_token_file)))
         self.grpc = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="aclnn-rpc"),
+            # Two spare threads: refusals, and calls that ended while their thread is still finishing.
+            futures.ThreadPoolExecutor(max_workers=workers + 2, thread_name_prefix="aclnn-rpc"),
             interceptors=interceptors,
-            maximum_concurrent_rpcs=workers,
             options=[
                 ("grpc.max_receive_message_length", options.max_message_bytes),
                 ("grpc.max_send_message_length", options.max_message_bytes),
@@ -203,16 +205,25 @@ class AclnnServer:
             self.port = self.grpc.add_secure_port(address, credentials)
         else:
             self.port = self.grpc.add_insecure_port(address)
+        unix_socket = None if options.unix_socket in ("", "off") else options.unix_socket
         self.data_channel = (
             DataChannelServer(
                 self.service,
                 options.host,
-                options.data_port,
-                2 * workers,
+                options.data_port if options.data_port >= 0 else None,
                 options.max_message_bytes,
+                DataChannelLimits(
+                    max_connections=2 * workers,
+                    max_per_identity=options.data_max_connections_per_tenant,
+                    max_handshakes=options.data_max_handshakes,
+                    handshake_timeout_s=options.data_handshake_timeout_s,
+                    idle_timeout_s=options.data_idle_timeout_s,
+                    workers=workers,
+                ),
                 tls=_ssl_context(options) if options.tls_cert is not None else None,
+                unix_socket=unix_socket,
             )
-            if options.data_port >= 0
+            if options.data_port >= 0 or unix_socket is not None
             else None
         )
         if self.data_channel is not None:
@@ -226,10 +237,21 @@ class AclnnServer:
             self.data_channel.start()
         if self.options.metrics_port:
             self.metrics_port = self.metrics.serve(self.options.host, self.options.metrics_port)
-        for service in ("", SERVICE_NAME):
-            self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        if self.engine.ready.is_set():
+            self._serve_when_ready()
+        else:
+            for service in ("", SERVICE_NAME):
+                self.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
+            threading.Thread(target=self._serve_when_ready, name="aclnn-ready", daemon=True).start()
         self._reaper = threading.Thread(target=self._reap, name="aclnn-reaper", daemon=True)
         self._reaper.start()
+
+    def _serve_when_ready(self) -> None:
+        """Health turns SERVING once the backend can compute (a cold cpu backend compiles first)."""
+        self.engine.ready.wait()
+        if self.engine.load_error is None and not self._stopping.is_set():
+            for service in ("", SERVICE_NAME):
+                self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
 
     def _reap(self) -> None:
         """Frees lapsed sessions' handles and regions even when no call arrives to notice."""
@@ -250,11 +272,13 @@ class AclnnServer:
             if self.data_channel is not None:
                 self.data_channel.stop(grace)
             grpc_stopped.wait()
+            self._health_pool.shutdown(wait=False)
             self.metrics.close()
             self.storage.close()
-            close = getattr(self.engine.backend, "close", None)
-            if close is not None:
-                close()
+            if self.engine.ready.is_set() and self.engine.load_error is None:
+                close = getattr(self.engine.backend, "close", None)
+                if close is not None:
+                    close()
             stopped.set()
 
         threading.Thread(target=release, name="aclnn-release", daemon=True).start()
@@ -280,6 +304,7 @@ def create_server(options: ServerOptions, engine: Engine | None = None) -> tuple
         max_queue=options.max_queue,
         device=options.device,
         torch_device=options.torch_device,
+        load_in_background=True,
     )
     server = AclnnServer(options, engine)
     return server, server.port, engine

@@ -7,7 +7,9 @@ mapping of every failure to a google.rpc.Status happen here, once for both.
 
 from __future__ import annotations
 
+import json
 import logging
+import re
 import time
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
@@ -26,17 +28,35 @@ from ..executors import CapacityError
 from ..ledger import Hold
 from ..metrics import Metrics
 from ..params import check
+from ..regions import RegionOffer, map_region
 from ..storage import Storage
 from .wire import decode_params, output_tensor
 
 log = logging.getLogger("aclnn_server")
 
+# A client's value logged as is: short, and nothing that could end the line or pass for another field.
+_PLAIN = re.compile(r"[\w.:/@+-]{1,128}", re.ASCII)
+
 _GRPC_CODES = {
     Status.PARAM_NULLPTR: code_pb2.INVALID_ARGUMENT,
     Status.PARAM_INVALID: code_pb2.INVALID_ARGUMENT,
-    Status.RUNTIME_ERROR: code_pb2.UNAVAILABLE,
+    # A device or runtime failure is not a replica gone (UNAVAILABLE, which clients replay): ABORTED
+    # is retried by no gRPC retry policy, only "at a higher level" (the client pool tries one other replica).
+    Status.RUNTIME_ERROR: code_pb2.ABORTED,
 }
 _RETRY_AFTER = duration_pb2.Duration(nanos=100_000_000)
+
+
+def placed(placements: Mapping[str, pb.OutputPlacement]) -> frozenset[str]:
+    """Outputs delivered outside the reply: a placement counts only with a kind (a region, or kept on the server)."""
+    return frozenset(name for name, p in placements.items() if p.WhichOneof("kind") == "region" or p.keep_on_server)
+
+
+def loggable(text: str) -> str:
+    """A client-supplied value for a log line: as is when plain, else a JSON string (escaped, at most 128 chars)."""
+    if _PLAIN.fullmatch(text):
+        return text
+    return json.dumps(text[:128] + ("..." if len(text) > 128 else ""))
 
 
 def error_status(error: AclnnError) -> status_pb2.Status:
@@ -95,7 +115,7 @@ class AclnnService:
         self.metrics = metrics
         self.storage = storage
         # The data channel sets this: OpenDataChannel issues its tickets.
-        self.issue_ticket: Callable[[CallContext], tuple[int, bytes]] | None = None
+        self.issue_ticket: Callable[[CallContext], pb.DataChannelTicket] | None = None
 
     def invoke(self, name: str, request: Any, call: CallContext, request_id: str) -> Any:
         """Runs method `name`, recording its metrics and access-log line; failures propagate."""
@@ -112,7 +132,7 @@ class AclnnService:
         except Exception as exc:
             status = failure_status(exc)[1]
             if not isinstance(exc, AclnnError | CallAbandoned):
-                log.exception("request_id=%s method=%s failed", request_id, name)
+                log.exception("request_id=%s method=%s failed", loggable(request_id), name)
             raise
         finally:
             for hold in call.holds or ():
@@ -122,14 +142,16 @@ class AclnnService:
             phases = {"queue": call.queue_s, "validation": call.validation_s, "compute": call.compute_s}
             phases["transfer"] = max(0.0, total - sum(phases.values()))
             sizes = (_message_size(request, call.bytes_in), _message_size(reply, call.bytes_out))
-            self.metrics.observe(name, call.op, status, phases, sizes)
+            # Only this server's operators become labels: ever-new names would grow /metrics without bound.
+            op_label = call.op if not call.op or call.op in self.engine.operators else "unregistered"
+            self.metrics.observe(name, op_label, status, phases, sizes)
             if log.isEnabledFor(logging.INFO):
                 log.info(
                     "request_id=%s method=%s op=%s status=%s ms=%.3f queue_ms=%.3f validation_ms=%.3f "
                     "compute_ms=%.3f bytes_in=%d bytes_out=%d",
-                    request_id,
+                    loggable(request_id),
                     name,
-                    call.op or "-",
+                    loggable(call.op) if call.op else "-",
                     status,
                     total * 1e3,
                     call.queue_s * 1e3,
@@ -148,13 +170,13 @@ class AclnnService:
     def Execute(self, request: pb.ExecuteRequest, call: CallContext) -> pb.ExecuteResponse:
         inputs: dict[str, Any] = dict(request.inputs)
         inputs.update({name: self._stored(ref, call) for name, ref in request.input_refs.items()})
-        call.placed = frozenset(request.placements)
+        call.placed = placed(request.placements)
         outputs = self.engine.execute(request.executor, inputs, call)
         return pb.ExecuteResponse(outputs=self._place(outputs, request.placements, call))
 
     def Run(self, request: pb.OpCall, call: CallContext) -> pb.RunResponse:
         values = decode_params(request.params, lambda ref: self._stored(ref, call))
-        call.placed = frozenset(request.placements)
+        call.placed = placed(request.placements)
         size, outputs = self.engine.run(request.op, values, call)
         return pb.RunResponse(workspace_size=size, outputs=self._place(outputs, request.placements, call))
 
@@ -246,13 +268,12 @@ class AclnnService:
         self.storage.free_handle(call.session, call.owner, request.handle)
         return pb.Empty()
 
-    def RegisterRegion(self, request: pb.RegisterRegionRequest, call: CallContext) -> pb.Empty:
-        self.storage.register_region(call.session, call.owner, request.region, request.size)
-        return pb.Empty()
+    def RegisterRegion(self, request: RegionOffer, call: CallContext) -> str:
+        """Maps a memfd the data channel's Unix socket received (never a name); returns the region's id."""
+        return self.storage.register_region(call.session, call.owner, map_region(request))
 
-    def UnregisterRegion(self, request: pb.RegisterRegionRequest, call: CallContext) -> pb.Empty:
-        self.storage.unregister_region(call.session, call.owner, request.region)
-        return pb.Empty()
+    def UnregisterRegion(self, region_id: str, call: CallContext) -> None:
+        self.storage.unregister_region(call.session, call.owner, region_id)
 
     def KeepAlive(self, request: pb.Empty, call: CallContext) -> pb.Empty:
         return pb.Empty()  # invoke renewed the session's lease
@@ -260,5 +281,4 @@ class AclnnService:
     def OpenDataChannel(self, request: pb.Empty, call: CallContext) -> pb.DataChannelTicket:
         if self.issue_ticket is None:
             return pb.DataChannelTicket(port=0)
-        port, ticket = self.issue_ticket(call)
-        return pb.DataChannelTicket(port=port, ticket=ticket)
+        return self.issue_ticket(call)

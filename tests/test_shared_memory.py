@@ -1,0 +1,336 @@
+"""Shared memory as a hostile tenant would try it: sealed memfds passed over the Unix socket, never names."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import fcntl
+import mmap
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import grpc
+import numpy as np
+import pytest
+from layer_norm_cases import layer_norm_call, layer_norm_reference
+from oracle import Untouched, assert_close
+from test_data_channel import error_of, reply, request, ticket
+from test_processes import broadcast_call
+from test_transport import wait_for
+
+import aclnn_client.grpc_client
+from aclnn_client import AclnnError, Client
+from aclnn_client._proto import aclnn_pb2 as pb
+from aclnn_client._proto import aclnn_pb2_grpc as pb_grpc
+from aclnn_client.data_channel import CALL, MAGIC, REGION, REGISTER_REGION, REQUEST, UNREGISTER_REGION
+
+OP = "aclnnLayerNormBackward"
+OUTPUTS = ("gradInputOut", "gradWeightOut", "gradBiasOut")
+SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+
+
+def check(p: dict) -> None:
+    for name, ref in zip(OUTPUTS, layer_norm_reference(p)):
+        assert_close(p[name], ref.reshape(p[name].shape), name)
+
+
+def memfd(size: int, seals: int = SEALS) -> int:
+    fd = os.memfd_create("test-region", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    os.ftruncate(fd, size)
+    if seals:
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
+    return fd
+
+
+def unix_connect(offer: pb.DataChannelTicket) -> socket.socket:
+    """A raw connection to the server's Unix socket, admitted by the ticket."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(10)
+    sock.connect(offer.unix_path)
+    sock.sendall(MAGIC + offer.ticket)
+    assert reply(sock) == (True, b"")
+    return sock
+
+
+def register(sock: socket.socket, fds: list[int], size: int) -> tuple[bool, bytes]:
+    data = REQUEST.pack(REGISTER_REGION, 0, 0, 0, REGION.size) + REGION.pack(size)
+    socket.send_fds(sock, [data], fds)
+    return reply(sock)
+
+
+def refused(answer: tuple[bool, bytes], words: str) -> None:
+    ok, payload = answer
+    assert not ok
+    error = error_of(payload)
+    assert (error.code, error.param) == (161002, "region") and words in error.message, error.message
+
+
+def region_call(p: dict, region: str, offsets: dict[str, int]) -> pb.OpCall:
+    """The LayerNorm call of `p` with the named inputs read from `region` at `offsets`, the rest inline."""
+    from aclnn_client.binding import bind
+    from aclnn_client.transfer import byte_view
+    from aclnn_client.wire import encode_call
+
+    bound = bind(OP, p, frozenset(OUTPUTS))
+    call = encode_call(OP, bound.descriptors())
+    for name, tensor in bound.inputs().items():
+        data = byte_view(tensor.data)
+        if name in offsets:
+            call.params[name].tensor.ref.region.CopyFrom(
+                pb.RegionSlice(region=region, offset=offsets[name], size=data.nbytes)
+            )
+        else:
+            call.params[name].tensor.data = data.tobytes()
+    return call
+
+
+def start_server(*args: str) -> tuple[subprocess.Popen, str]:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "aclnn_server", "--backend", "numpy", "--log-level", "WARNING", *args],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    line = proc.stdout.readline()
+    match = re.fullmatch(r"listening on (\S+)\n", line)
+    assert match, f"unexpected first line {line!r}"
+    return proc, match[1]
+
+
+@pytest.fixture
+def server_process():
+    proc, address = start_server("--port", "0")
+    yield proc, address
+    proc.kill()
+    proc.wait()
+
+
+def test_regions_cannot_be_truncated_and_bad_ones_are_refused(server_process, rng, tmp_path):
+    proc, address = server_process
+    offer = ticket(address, "mallory")
+    assert offer.unix_path
+    with unix_connect(offer) as sock:
+        # A region the client sealed cannot shrink (the SIGBUS of old) nor grow, whoever tries.
+        fd = memfd(1 << 16)
+        ok, region_id = register(sock, [fd], 1 << 16)
+        assert ok and region_id
+        with pytest.raises(PermissionError):
+            os.ftruncate(fd, 0)
+        with pytest.raises(PermissionError):
+            os.ftruncate(fd, 1 << 20)
+        os.close(fd)
+        unsealed = memfd(1 << 16, seals=0)
+        refused(register(sock, [unsealed], 1 << 16), "sealed against shrinking and growing")
+        os.ftruncate(unsealed, 0)  # what the server was spared
+        os.close(unsealed)
+        small = memfd(4096)
+        refused(register(sock, [small], 1 << 16), "declared")
+        os.close(small)
+        refused(register(sock, [], 4096), "exactly one memfd")
+        two = [memfd(4096), memfd(4096)]
+        refused(register(sock, two, 4096), "exactly one memfd")
+        for fd in two:
+            os.close(fd)
+        # Nothing is ever opened by name, and nothing but a memfd is mapped.
+        shm = f"/dev/shm/aclnn-test-{os.getpid()}"
+        with open(shm, "wb") as f:
+            f.truncate(4096)
+        try:
+            for path in (shm, str(tmp_path / "plain")):
+                with open(path, "ab+") as f:
+                    f.truncate(4096)
+                    refused(register(sock, [f.fileno()], 4096), "not a memfd")
+        finally:
+            os.unlink(shm)
+        keepalive = b"\x09KeepAlive"
+        sock.sendall(request(CALL, len(keepalive)) + keepalive)  # still in step after every refusal
+        assert reply(sock) == (True, b"")
+    with grpc.insecure_channel(address) as channel:  # the registration by name is gone from the API
+        by_name = channel.unary_unary("/aclnn.v1.Aclnn/RegisterRegion")
+        with pytest.raises(grpc.RpcError) as raised:
+            by_name(b"\n\x0faclnn-someone\x10\x80\x20", metadata=(("x-aclnn-session", "mallory"),))
+        assert raised.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    p = layer_norm_call(rng, (64, 256))
+    with Client(address, shared_memory=True) as c:  # the server survived it all
+        c.run(OP, **p)
+    check(p)
+    assert proc.poll() is None
+
+
+def test_refused_descriptors_are_not_kept(serve):
+    served = serve()
+    offer = ticket(served.address, "s")
+    pid = os.getpid()
+    with unix_connect(offer) as sock:
+        register(sock, [memfd(4096)], 4096)  # one accepted: its mapping keeps one duplicate
+        before = len(os.listdir(f"/proc/{pid}/fd"))
+        for count in range(2, 52):  # good memfds, too many at once (more than the server has room for)
+            fds = [memfd(4096) for _ in range(count)]
+            refused(register(sock, fds, 4096), "exactly one memfd")
+            for fd in fds:
+                os.close(fd)
+        wait_for(lambda: len(os.listdir(f"/proc/{pid}/fd")) <= before)
+
+
+def test_a_region_is_its_session_and_identity_only(serve, rng, tmp_path):
+    tokens = tmp_path / "tokens"
+    tokens.write_text("alice\nmallory\n")
+    served = serve(auth_token_file=tokens)
+    p = layer_norm_call(rng, (1, 256))  # gradBias == gradOut here: a read-back channel if regions leaked
+    secret = np.frombuffer(p["gradOut"].tobytes(), np.uint8)
+    fd = memfd(4096)
+    with mmap.mmap(fd, 4096) as view:
+        view[: secret.nbytes] = secret.tobytes()
+    with unix_connect(ticket(served.address, "alice", token="alice")) as sock:
+        ok, region_id = register(sock, [fd], 4096)
+    os.close(fd)
+    assert ok
+    region_id = region_id.decode()
+    call = region_call(p, region_id, {"gradOut": 0})
+    with grpc.insecure_channel(served.address) as channel:
+        stub = pb_grpc.AclnnStub(channel)
+        own = stub.Run(call, metadata=(("x-aclnn-session", "alice"), ("authorization", "Bearer alice")))
+        assert np.frombuffer(own.outputs["gradBiasOut"].data, np.float32).tobytes() == secret.tobytes()
+        for session in ("mallory", "alice"):  # her own session, or alice's session id
+            metadata = (("x-aclnn-session", session), ("authorization", "Bearer mallory"))
+            with pytest.raises(grpc.RpcError) as raised:
+                stub.Run(call, metadata=metadata)
+            assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "not registered" in raised.value.details() or "another client" in raised.value.details()
+            assert secret.tobytes().hex()[:16] not in raised.value.details()
+    # Over the data channel (mallory's own connection) it is refused alike, and nothing is written.
+    untouched = Untouched(*(p[n] for n in OUTPUTS))
+    with Client(served.address, token="mallory") as mallory:
+        with pytest.raises(AclnnError) as raised:
+            mallory._call_on(0, "Run", call)
+        assert (raised.value.code, raised.value.param) == (161002, "region")
+    untouched.check()
+
+
+def test_registration_needs_the_unix_socket(serve):
+    served = serve()
+    offer = ticket(served.address)
+    with socket.create_connection(("127.0.0.1", offer.port), timeout=10) as sock:
+        sock.sendall(MAGIC + offer.ticket)
+        assert reply(sock)[0]
+        sock.sendall(request(REGISTER_REGION, REGION.size) + REGION.pack(4096))  # TCP carries no descriptor
+        refused(reply(sock), "exactly one memfd")
+        sock.sendall(request(UNREGISTER_REGION, 4) + b"nope")
+        refused(reply(sock), "not registered")
+
+
+def test_a_late_call_never_writes_into_a_reused_region(serve, rng):
+    """A call the client gave up on may still be written late: its regions are retired, never reused."""
+    served = serve(max_concurrency=1)
+    p = layer_norm_call(rng, (64, 1024))
+    with Client(served.address) as other, Client(served.address, shared_memory=True, timeout=0.4) as c:
+        c.run(OP, **p)  # warm: its regions are pooled and registered
+        check(p)
+        pooled = list(c._regions.all)
+        assert pooled
+        long_call = broadcast_call(0, rows=262144)
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            other.list_operators()
+            running = pool.submit(other.run, OP, **long_call)
+            wait_for(lambda: served.server.metrics.in_flight._value.get() == 1)
+            time.sleep(0.1)
+            late = layer_norm_call(rng, (64, 1024))
+            with pytest.raises(AclnnError) as raised:
+                c.run(OP, **late)  # queued behind the long call until the client's deadline
+            assert raised.value.grpc_code == grpc.StatusCode.DEADLINE_EXCEEDED
+            assert not set(pooled) & set(c._regions.all)  # retired, not back in the pool
+            assert all(not hasattr(r, "array") for r in pooled)  # and closed
+            running.result(timeout=60)
+        fresh = layer_norm_call(rng, (64, 1024))
+        c.run(OP, **fresh)
+        check(fresh)
+        # The server holds only the fresh regions: the retired ones were unregistered.
+        assert served.server.storage.counts()[1] == len(c._regions.all)
+
+
+def test_registrations_survive_a_server_restart(tmp_path, rng):
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    args = ("--port", str(port), "--unix-socket", str(tmp_path / "aclnn.sock"))
+    proc, address = start_server(*args)
+    try:
+        with Client(address, shared_memory=True) as c:
+            p = layer_norm_call(rng, (64, 1024))
+            c.run(OP, **p)
+            check(p)
+            proc.send_signal(signal.SIGKILL)  # its socket file stays behind
+            proc.wait()
+            proc, _ = start_server(*args)
+            grpc.channel_ready_future(c._channels[0]).result(timeout=30)  # its gRPC channel is back
+            p = layer_norm_call(rng, (64, 1024))
+            c.run(OP, **p)  # the same client: a new ticket, its regions registered again
+            check(p)
+            channel = c._data_channel(0)
+            assert channel.unix and channel.registered()
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_registrations_come_back_after_the_lease_lapsed(serve, rng):
+    served = serve(session_ttl_s=0.3)
+    with Client(served.address, shared_memory=True) as c:
+        p = layer_norm_call(rng, (64, 1024))
+        c.run(OP, **p)
+        wait_for(lambda: served.server.storage.counts()[1] == 0)  # the keepalive (10 s) is too slow for 0.3 s
+        p = layer_norm_call(rng, (64, 1024))
+        c.run(OP, **p)
+        check(p)
+        assert served.server.storage.counts()[1] > 0
+
+
+def test_keepalive_survives_concurrent_registrations(serve, rng, monkeypatch):
+    served = serve()
+    monkeypatch.setattr(aclnn_client.grpc_client, "_KEEPALIVE_S", 0.001)
+    failures = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: failures.append(args.exc_value))
+    with Client(served.address, shared_memory=True) as c:
+        calls = [layer_norm_call(rng, (8 + i, 64 + 8 * i)) for i in range(64)]  # every size a new region
+        futures = [c.run_async(OP, **p) for p in calls]
+        for future in futures:
+            future.result(timeout=60)
+        assert c._keepalive.is_alive()
+        keepalives = served.server.metrics.requests.labels("KeepAlive", "", "ACLNN_SUCCESS")._value.get
+        seen = keepalives()
+        wait_for(lambda: keepalives() > seen)  # and still renewing
+    for p in calls:
+        check(p)
+    assert not failures
+
+
+def test_a_ticket_is_for_its_own_local_user(serve):
+    """A ticket issued to one local user (uid:N) does not admit another user's process on the Unix socket."""
+    if os.getuid() != 0:
+        pytest.skip("needs root to act as another user")
+    served = serve()
+    offer = ticket(served.address)
+    read, write = os.pipe()
+    child = os.fork()
+    if child == 0:  # another local user: it may reach the socket (0666 in a 0711 directory) but not use the ticket
+        code = 1
+        try:
+            os.setgid(65534)
+            os.setuid(65534)
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.settimeout(10)
+            sock.connect(offer.unix_path)
+            sock.sendall(MAGIC + offer.ticket)
+            ok, payload = reply(sock)
+            os.write(write, b"refused" if not ok and "another local user" in error_of(payload).message else b"admitted")
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(write)
+    assert os.waitpid(child, 0)[1] == 0
+    assert os.read(read, 100) == b"refused"
+    os.close(read)
