@@ -86,6 +86,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
     server.start()
+    if not engine.ready.is_set():
+        log.info("listening on %s:%d, NOT_SERVING until the %s backend is ready", options.host, port, options.backend)
+    while not engine.ready.wait(0.2):
+        if stop.is_set():
+            server.stop(0).wait()
+            return 1
+    if engine.load_error is not None:
+        log.error("cannot start: %s", engine.load_error)
+        server.stop(0).wait()
+        return 1
     log.info(
         "backend %s; operators %s; max concurrency %d, queue %d; memory budget %d MiB, %d MiB per tenant; "
         "auth %s; tls %s; data channel %s; metrics %s",

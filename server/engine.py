@@ -108,10 +108,24 @@ class Engine:
         max_queue: int = 64,
         device: int = 0,
         torch_device: str = "cpu",
+        load_in_background: bool = False,
     ) -> None:
-        if isinstance(backend, str):
-            backend = create_backend(backend, device=device, torch_device=torch_device)
-        self.backend = backend
+        # A backend named here is created now, or with `load_in_background` on a thread of its own
+        # (the cpu backend may compile its kernels for a minute): `ready` is set once it can compute.
+        self.ready = threading.Event()
+        self.load_error: BaseException | None = None
+        self._backend: Backend | None = None
+        if not isinstance(backend, str):
+            self._backend = backend
+            self.ready.set()
+        elif load_in_background:
+            threading.Thread(
+                target=self._load, args=(backend, device, torch_device), name="aclnn-backend-load", daemon=True
+            ).start()
+        else:
+            self._load(backend, device, torch_device)
+            if self.load_error is not None:
+                raise self.load_error
         self.executors = ExecutorStore(executor_ttl_s, max_executors, max_tenant_executors or max_executors)
         self.memory_budget_bytes = memory_budget_bytes or default_memory_budget()
         self.ledger = MemoryLedger(self.memory_budget_bytes, max_tenant_bytes)
@@ -119,6 +133,23 @@ class Engine:
         self.max_result_bytes = max_result_bytes
         self.admission = Admission(max_concurrency, max_queue, self.ledger)
         self._plans = PlanCache()
+
+    def _load(self, name: str, device: int, torch_device: str) -> None:
+        try:
+            self._backend = create_backend(name, device=device, torch_device=torch_device)
+        except BaseException as exc:  # reported by whoever waits for `ready` (the CLI exits with it)
+            self.load_error = exc
+        finally:
+            self.ready.set()
+
+    @property
+    def backend(self) -> Backend:
+        """The backend; calls that arrive while it is still loading wait for it."""
+        if self._backend is None:
+            self.ready.wait()
+            if self._backend is None:
+                raise AclnnError(Status.RUNTIME_ERROR, f"the backend failed to start: {self.load_error}")
+        return self._backend
 
     @property
     def operators(self) -> Mapping[str, Operator]:

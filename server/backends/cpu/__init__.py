@@ -56,13 +56,28 @@ def kernel_modules() -> dict[str, ModuleType]:
 def warm_up() -> float:
     """Compiles (or loads) and runs every kernel on tiny inputs, once per process; returns the seconds spent."""
     global _warm_seconds
+    from . import _jit
+
     with _warm_lock:
         if _warm_seconds is None:
             started = time.perf_counter()
-            for module in kernel_modules().values():
+            modules = kernel_modules()
+            if not _jit.cache_is_warm():
+                log.warning(
+                    "cpu backend: compiling its kernels (not in the disk cache %s); this takes about a minute "
+                    "on 2 cores, once per machine and version: later starts load them in about a second",
+                    _jit.numba.config.CACHE_DIR or "(none: unwritable)",
+                )
+            for module in modules.values():
                 module.warm_up()
             _warm_seconds = time.perf_counter() - started
-            log.info("cpu backend: kernels ready in %.2f s", _warm_seconds)
+            loaded, compiled = _jit.compile_counts()
+            log.info(
+                "cpu backend: kernels ready in %.2f s (%d loaded from the disk cache, %d compiled)",
+                _warm_seconds,
+                loaded,
+                compiled,
+            )
         return _warm_seconds
 
 

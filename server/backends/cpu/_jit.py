@@ -23,7 +23,7 @@ import pathlib
 import threading
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import ml_dtypes
 import numba
@@ -111,11 +111,14 @@ class lazy_njit:
     """
 
     _lock = threading.Lock()
+    # Every kernel defined (its module imported), for the start-up report of what compiled.
+    all: ClassVar[list[lazy_njit]] = []
 
     def __init__(self, signatures: Callable[[], Sequence[Any]], parallel: bool = True) -> None:
         self.signatures, self.parallel = signatures, parallel
         self.func: Callable[..., Any] | None = None
         self.dispatcher: Any = None
+        lazy_njit.all.append(self)
 
     def __call__(self, func: Callable[..., Any]) -> lazy_njit:
         self.func = func
@@ -136,6 +139,29 @@ class lazy_njit:
 
     def run(self, *args: Any) -> Any:
         return self.compiled()(*args)
+
+
+def compile_counts() -> tuple[int, int]:
+    """(signatures loaded from the disk cache, signatures compiled) over the kernels built so far."""
+    loaded = compiled = 0
+    for kernel in lazy_njit.all:
+        if kernel.dispatcher is not None:
+            stats = kernel.dispatcher.stats
+            loaded += sum(stats.cache_hits.values())
+            compiled += sum(stats.cache_misses.values())
+    return loaded, compiled
+
+
+def cache_is_warm() -> bool:
+    """Whether Numba's disk cache holds an index for every kernel defined (a start then compiles nothing)."""
+    if not numba.config.CACHE_DIR:
+        return False
+    from numba.core.caching import _CacheLocator
+
+    # Numba keeps this package's kernels in a subdirectory named after the package's own path.
+    directory = pathlib.Path(numba.config.CACHE_DIR) / _CacheLocator.get_suitable_cache_subpath(str(_PACKAGE / "_"))
+    indexed = {tuple(path.name.split("-")[0].split(".")[:2]) for path in directory.glob("*.nbi")}
+    return all((kernel.func.__module__.rpartition(".")[2], kernel.__name__) in indexed for kernel in lazy_njit.all)
 
 
 # --- element conversions (inlined into the kernels) -------------------------------------------
