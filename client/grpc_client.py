@@ -136,7 +136,7 @@ class _Staging:
             self.client._regions.release(self.regions)
         self.handles, self.regions, self.output_regions = [], [], {}
 
-    def input(self, replica: int, tensor: Tensor) -> bytes | pb.StorageRef:
+    def input(self, replica: int, name: str, tensor: Tensor) -> bytes | pb.StorageRef:
         """The tensor's storage inline, as a shared-memory slice, or uploaded in chunks (large)."""
         data = byte_view(tensor.data)
         region = self._region(replica, data.nbytes)
@@ -144,7 +144,13 @@ class _Staging:
             region[0].array[: data.nbytes] = np.frombuffer(data, np.uint8)
             return pb.StorageRef(region=pb.RegionSlice(region=region[1], offset=0, size=data.nbytes))
         if data.nbytes > self.client.max_inline_bytes:
-            handle = self.client._upload(replica, data)
+            try:
+                handle = self.client._upload(replica, data)
+            except AclnnError as error:  # an upload refused for its size: the tensor's fault, by its name
+                if error.param != "chunk":
+                    raise
+                message = error.message.removeprefix("chunk: ")
+                raise AclnnError(error.code, f"{name}: {message}", name, error.grpc_code) from None
             self.handles.append((replica, handle))
             return pb.StorageRef(handle=handle)
         return data.tobytes()
@@ -260,6 +266,7 @@ class Client(BaseClient):
         # the keepalive thread renews their leases while any is held.
         self._held: dict[int, int] = {}
         self._held_lock = threading.Lock()
+        self._repeatable: set[str] = set()  # repeatable executors not destroyed (each holds its session)
         self._region_replicas: set[int] = set()
         self._keepalive: threading.Thread | None = None
         self._closed = threading.Event()
@@ -383,7 +390,7 @@ class Client(BaseClient):
             with _Staging(self) as staging:
                 request = pb.ExecuteRequest(executor=server_id)
                 for name, tensor in call.inputs().items():
-                    staged = staging.input(int(replica), tensor)
+                    staged = staging.input(int(replica), name, tensor)
                     if isinstance(staged, bytes):
                         request.inputs[name] = staged
                     else:
@@ -392,10 +399,10 @@ class Client(BaseClient):
                 try:
                     reply = self._call_on(int(replica), "Execute", request, stream)
                 except AclnnError as error:
-                    if error.grpc_code != grpc.StatusCode.UNAVAILABLE or attempt:
+                    if attempt or not (error.grpc_code == grpc.StatusCode.UNAVAILABLE or _lost(executor, error)):
                         raise
                     staging.reset(failed=True)
-                    self._replan(executor)  # its replica is gone, and the executor with it
+                    self._replan(executor)  # its replica is gone, or lost it: the executor is planned again
                     continue
                 call.write_outputs(staging.results(int(replica), reply.outputs))
                 return
@@ -411,7 +418,7 @@ class Client(BaseClient):
                 staging.reset(failed=True)  # a previous attempt's, which failed (its regions may still be written)
                 request = encode_call(call.op, call.descriptors())
                 for name, tensor in call.inputs().items():
-                    staged = staging.input(replica, tensor)
+                    staged = staging.input(replica, name, tensor)
                     if isinstance(staged, bytes):
                         request.params[name].tensor.data = staged
                     else:
@@ -438,9 +445,11 @@ class Client(BaseClient):
         return None
 
     def _replan(self, executor: Executor) -> None:
+        lost_id = executor.id
         executor.workspace_size, executor.id = self._get_workspace_size(executor.op, executor.call.descriptors())
         if executor.repeatable:
             self._set_executor_repeatable(executor.id)
+            self._forget_repeatable(lost_id)
 
     def _on_executor(self, executor_id: str, method: str) -> None:
         replica, _, server_id = executor_id.partition("/")
@@ -448,9 +457,23 @@ class Client(BaseClient):
 
     def _set_executor_repeatable(self, executor_id: str) -> None:
         self._on_executor(executor_id, "SetExecutorRepeatable")
+        # It lives in this client's session on its replica: the session must outlive pauses in use.
+        with self._held_lock:
+            self._repeatable.add(executor_id)
+        self._hold_session(int(executor_id.partition("/")[0]))
 
     def _destroy_executor(self, executor_id: str) -> None:
-        self._on_executor(executor_id, "DestroyExecutor")
+        try:
+            self._on_executor(executor_id, "DestroyExecutor")
+        finally:
+            self._forget_repeatable(executor_id)
+
+    def _forget_repeatable(self, executor_id: str) -> None:
+        with self._held_lock:
+            held = executor_id in self._repeatable
+            self._repeatable.discard(executor_id)
+        if held:
+            self._release_session(int(executor_id.partition("/")[0]))
 
     # Bytes outside messages -------------------------------------------------------------------
 
@@ -621,6 +644,13 @@ def _is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def _lost(executor: Executor, error: AclnnError) -> bool:
+    """Whether a repeatable executor that was never destroyed is unknown to its server (it restarted,
+    or the client's session lapsed): then it is planned again, as its owner expects it to live on."""
+    lost = "is unknown" in error.message or "ended with its client session" in error.message
+    return executor.repeatable and error.param == "executor" and lost
 
 
 def _output_sizes(values: Mapping[str, Value], outputs: Any) -> dict[str, int]:

@@ -107,7 +107,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         engine.ledger.tenant_bytes >> 20,
         "on" if options.auth_token_file else "off",
         "mutual" if options.tls_client_ca else "on" if options.tls_cert else "off",
-        f"port {server.data_channel.port}" if server.data_channel else "off",
+        ", ".join(
+            [f"port {server.data_channel.port}"] * bool(server.data_channel.port)
+            + [f"unix socket {server.data_channel.unix_path}"] * bool(server.data_channel.unix_path)
+        )
+        if server.data_channel
+        else "off",
         f"port {server.metrics_port}" if server.metrics_port else "off",
     )
     print(f"listening on {options.host}:{port}", flush=True)

@@ -21,7 +21,7 @@ from .executors import CapacityError
 # when their owner frees them or goes away.
 RUNNING = "call"
 # Tensors kept between calls.
-STORED = frozenset({"upload", "result", "executor"})
+STORED = frozenset({"upload", "result", "executor", "region"})
 
 
 class Hold:

@@ -66,11 +66,11 @@ class Metrics:
         Gauge("aclnn_memory_held_bytes", "Bytes held for callers now", registry=self.registry).set_function(held)
         by_kind = Gauge(
             "aclnn_memory_held_by_kind_bytes",
-            "Bytes held for callers now, by kind (message, request, call, upload, result, executor)",
+            "Bytes held for callers now, by kind (message, request, call, upload, result, executor, region)",
             ["kind"],
             registry=self.registry,
         )
-        for kind in ("message", "request", "call", "upload", "result", "executor"):
+        for kind in ("message", "request", "call", "upload", "result", "executor", "region"):
             by_kind.labels(kind).set_function(lambda kind=kind: held_by_kind().get(kind, 0))
 
     def serve(self, host: str, port: int) -> int:
