@@ -96,9 +96,23 @@ def main() -> int:
 
     large_rows, repeats, small_calls = (2048, 5, 300) if args.quick else (8192, 7, 1000)
     server = subprocess.Popen(
-        [sys.executable, "-m", "aclnn_server", "--port", "0", "--backend", args.backend,
-         "--max-message-bytes", str(2**31 - 1), "--log-level", "WARNING", "--max-queue", "256"],
-        stdout=subprocess.PIPE, text=True,
+        [
+            sys.executable,
+            "-m",
+            "aclnn_server",
+            "--port",
+            "0",
+            "--backend",
+            args.backend,
+            "--max-message-bytes",
+            str(2**31 - 1),
+            "--log-level",
+            "WARNING",
+            "--max-queue",
+            "256",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
     )
     address = re.fullmatch(r"listening on (\S+)\n", server.stdout.readline())[1]
     rpc_port = free_port()
@@ -201,14 +215,18 @@ def main() -> int:
         server.terminate()
         server.wait(timeout=60)
 
-    print(f"\nTransport benchmark ({'quick' if args.quick else 'full'}; aclnn-serve backend {args.backend}; "
-          f"{os.cpu_count()} cores; loopback TCP and a Unix socket)\n")
+    print(
+        f"\nTransport benchmark ({'quick' if args.quick else 'full'}; aclnn-serve backend {args.backend}; "
+        f"{os.cpu_count()} cores; loopback TCP and a Unix socket)\n"
+    )
     print("| case | path | time | vs PyTorch RPC |")
     print("|---|---|---|---|")
     for case, label, value, extra in rows_out:
         if case.startswith("small"):
-            print(f"| {case} | {label} | {value * 1e3:.3f} ms / {extra * 1e3:.3f} ms | "
-                  f"{value / percentile(rpc_small, 0.5):.2f}x (p50) |")
+            print(
+                f"| {case} | {label} | {value * 1e3:.3f} ms / {extra * 1e3:.3f} ms | "
+                f"{value / percentile(rpc_small, 0.5):.2f}x (p50) |"
+            )
         elif case.startswith("empty"):
             print(f"| {case} | {label} | {value * 1e6:.0f} µs / {extra * 1e6:.0f} µs | |")
         elif case.startswith("throughput"):

@@ -39,7 +39,7 @@ class BaseClient(abc.ABC):
     def __init__(self) -> None:
         self._async = _AsyncState()
 
-    def get_workspace_size(self, op: str, **params: Any) -> tuple[int, Executor]:
+    def get_workspace_size(self, op: str, /, **params: Any) -> tuple[int, Executor]:
         """Validates and plans a call on the server; returns (workspace_size, executor)."""
         call = bind(op, params, self._output_names(op))
         workspace_size, executor_id = self._get_workspace_size(op, call.descriptors())
@@ -54,12 +54,12 @@ class BaseClient(abc.ABC):
             raise invalid_error("executor", f"expected an Executor from get_workspace_size, got {executor!r:.60}")
         self._in_order(stream, lambda: self._execute(executor, stream)).result()
 
-    def run(self, op: str, *, stream: int | None = None, **params: Any) -> None:
+    def run(self, op: str, /, *, stream: int | None = None, **params: Any) -> None:
         """Both phases in one round trip; fills the outputs in place."""
         call = bind(op, params, self._output_names(op))
         self._in_order(stream, lambda: self._run(call, stream)).result()
 
-    def run_async(self, op: str, *, stream: int | None = None, **params: Any) -> concurrent.futures.Future:
+    def run_async(self, op: str, /, *, stream: int | None = None, **params: Any) -> concurrent.futures.Future:
         """`run` in the background: the future's result is None once the outputs are filled."""
         call = bind(op, params, self._output_names(op))
         return self._in_order(stream, lambda: self._run(call, stream), background=True)

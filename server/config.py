@@ -57,7 +57,9 @@ class ServerOptions(BaseSettings):
         64, ge=1, description="data-channel connections not yet admitted by a ticket; beyond: new ones closed at once"
     )
     data_handshake_timeout_s: float = Field(
-        5.0, gt=0, description="seconds a data-channel connection has to present its ticket (TLS included); "
+        5.0,
+        gt=0,
+        description="seconds a data-channel connection has to present its ticket (TLS included); "
         "also each request's allowance, plus 1 s per MiB",
     )
     data_idle_timeout_s: float = Field(

@@ -27,6 +27,7 @@ class Kind(enum.StrEnum):
     INT_ARRAY = "int_array"
     BOOL_ARRAY = "bool_array"
     BOOL = "bool"
+    INT = "int"  # int64_t
     DOUBLE = "double"
 
 
@@ -107,6 +108,7 @@ _KIND_TYPES = {
     Kind.INT_ARRAY: (IntArray,),
     Kind.BOOL_ARRAY: (BoolArray,),
     Kind.BOOL: (bool,),
+    Kind.INT: (int,),
     Kind.DOUBLE: (float, int),
 }
 
@@ -160,7 +162,7 @@ class CallParams:
 def _is_kind(value: Value, kind: Kind) -> bool:
     if kind in (Kind.INT_ARRAY, Kind.BOOL_ARRAY) and isinstance(value, (IntArray, BoolArray)) and not value:
         return True  # an empty array has no element type
-    if kind is Kind.DOUBLE and isinstance(value, bool):
+    if kind in (Kind.DOUBLE, Kind.INT) and isinstance(value, bool):
         return False
     return isinstance(value, _KIND_TYPES[kind])
 

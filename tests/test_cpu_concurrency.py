@@ -14,8 +14,11 @@ import re
 import numpy as np
 import pytest
 from batch_norm_cases import bn_call, elemt_call
+from group_norm_cases import group_norm_backward_call, group_norm_call
 from layer_norm_cases import layer_norm_call
+from layer_norm_forward_cases import layer_norm_forward_call
 from oracle import BF16, assert_close
+from rms_norm_cases import rms_norm_call, rms_norm_grad_call
 from test_grpc_abuse import Server
 from test_layer_norm_grad import lng_call
 
@@ -28,6 +31,11 @@ OUTPUTS = {
     "LayerNormGrad": ("pd_x", "pd_gamma", "pd_beta"),
     "aclnnBatchNormBackward": ("gradInput", "gradWeight", "gradBias"),
     "aclnnBatchNormElemtBackward": ("gradInput",),
+    "aclnnLayerNorm": ("out", "meanOutOptional", "rstdOutOptional"),
+    "aclnnRmsNorm": ("yOut", "rstdOut"),
+    "aclnnRmsNormGrad": ("dxOut", "dgammaOut"),
+    "aclnnGroupNorm": ("out", "meanOut", "rstdOut"),
+    "aclnnGroupNormBackward": ("gradInput", "gradGammaOut", "gradBetaOut"),
 }
 
 
@@ -44,6 +52,11 @@ def cases() -> list[tuple[str, dict]]:
         ("aclnnBatchNormBackward", bn_call(rng, (4, 3, 5), 1, training=False)),
         ("aclnnBatchNormElemtBackward", elemt_call(rng, (8, 16, 32, 32))),
         ("aclnnBatchNormElemtBackward", elemt_call(rng, (4, 3, 5))),
+        ("aclnnLayerNorm", layer_norm_forward_call(rng, (64, 1024), 1)),
+        ("aclnnRmsNorm", rms_norm_call(rng, (64, 1024), 1)),
+        ("aclnnRmsNormGrad", rms_norm_grad_call(rng, (64, 1024), 1, BF16, "float32")),
+        ("aclnnGroupNorm", group_norm_call(rng, (8, 16, 32, 16), 4)),
+        ("aclnnGroupNormBackward", group_norm_backward_call(rng, (8, 16, 32, 16), 4)),
     ]
 
 

@@ -80,6 +80,7 @@ SAMPLE = {
     Kind.INT_ARRAY: lambda: [2],
     Kind.BOOL_ARRAY: lambda: [True, True, True],
     Kind.BOOL: lambda: True,
+    Kind.INT: lambda: 2,
     Kind.DOUBLE: lambda: 1e-5,
 }
 

@@ -26,8 +26,19 @@ class ServerProcess:
         self.port = free_port()
         self.started = time.monotonic()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "aclnn_server", "--backend", "cpu", "--port", str(self.port)]
-            + ["--data-port", "-1", "--log-level", "INFO"],
+            [
+                sys.executable,
+                "-m",
+                "aclnn_server",
+                "--backend",
+                "cpu",
+                "--port",
+                str(self.port),
+                "--data-port",
+                "-1",
+                "--log-level",
+                "INFO",
+            ],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,

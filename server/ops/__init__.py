@@ -3,9 +3,29 @@
 from __future__ import annotations
 
 from ..registry import Operator
-from . import batch_norm_backward, batch_norm_elemt_backward, layer_norm_backward, layer_norm_grad
+from . import (
+    batch_norm_backward,
+    batch_norm_elemt_backward,
+    group_norm,
+    group_norm_backward,
+    layer_norm,
+    layer_norm_backward,
+    layer_norm_grad,
+    rms_norm,
+    rms_norm_grad,
+)
 
 OPERATORS: dict[str, Operator] = {
     module.OPERATOR.name: module.OPERATOR
-    for module in (layer_norm_backward, layer_norm_grad, batch_norm_backward, batch_norm_elemt_backward)
+    for module in (
+        layer_norm_backward,
+        layer_norm_grad,
+        batch_norm_backward,
+        batch_norm_elemt_backward,
+        layer_norm,
+        rms_norm,
+        rms_norm_grad,
+        group_norm,
+        group_norm_backward,
+    )
 }
