@@ -158,22 +158,24 @@ def metric(port: int, name: str) -> float:
 
 
 _DYING_CLIENT = """
-import os, sys, time
+import sys, time
+import grpc
 import numpy as np
 sys.path.insert(0, {tests!r})
 from layer_norm_cases import layer_norm_call
 from aclnn_client import Client
 from aclnn_client._proto import aclnn_pb2 as pb
-from test_tenants import op_call
+from aclnn_client._proto import aclnn_pb2_grpc as pb_grpc
+from test_tenants import metadata, op_call
 
 rng = np.random.default_rng(0)
-with Client({address!r}) as c:
+with Client({address!r}) as c, grpc.insecure_channel({address!r}) as channel:
     for _ in range(3):  # repeatable executors, executed: they never expire by age
         p = layer_norm_call(rng, (64, 256))
         _, e = c.get_workspace_size("aclnnLayerNormBackward", **p)
         c.set_executor_repeatable(e)
         c.execute(e)
-    stub, meta = c._stubs[0], c._metadata()
+    stub, meta = pb_grpc.AclnnStub(channel), metadata(session="dying")  # a raw caller's upload and kept result
     stub.UploadTensor(iter([pb.TensorChunk(total_size=1 << 20, offset=0, data=bytes(1 << 20))]), metadata=meta)
     stub.Run(op_call(layer_norm_call(rng, (256, 1024)), keep=("gradInputOut",)), metadata=meta)
     print("ready", flush=True)
