@@ -30,6 +30,10 @@ ENV ACLNN_HOST=0.0.0.0 \
     ACLNN_METRICS_PORT=9090 \
     NUMBA_CACHE_DIR=/home/aclnn/.cache/numba \
     PYTHONUNBUFFERED=1
+# The cpu backend's kernels, compiled now so that a new container loads them instead (about a
+# second, not a minute). Numba keys them by CPU model too: on another one the server compiles
+# them at start and says so.
+RUN python -c "from aclnn_server.backends.cpu import warm_up; warm_up()"
 EXPOSE 50051 50052 9090
 HEALTHCHECK --interval=15s --timeout=5s --start-period=60s CMD ["python", "-m", "aclnn_server.healthcheck"]
 ENTRYPOINT ["aclnn-serve"]

@@ -21,7 +21,8 @@ def backend(request: pytest.FixtureRequest) -> str:
 
 @pytest.fixture(scope="session")
 def server_address(backend: str):
-    server, port, _ = create_server(ServerOptions(host="127.0.0.1", port=0, backend=backend))
+    server, port, engine = create_server(ServerOptions(host="127.0.0.1", port=0, backend=backend))
+    engine.ready.wait()  # the backend loads in the background: started after it, the server is SERVING at once
     server.start()
     yield f"127.0.0.1:{port}"
     server.stop(None)
@@ -51,6 +52,7 @@ def serve():
 
     def start(**options) -> Served:
         server, port, engine = create_server(ServerOptions(port=0, backend="numpy", **options))
+        engine.ready.wait()
         server.start()
         started.append(server)
         return Served(f"127.0.0.1:{port}", server, engine)

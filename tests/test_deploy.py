@@ -126,6 +126,20 @@ def test_npu_overlay_takes_one_ascend_device():
     assert "HorizontalPodAutoscaler" not in objects("overlays/npu")
 
 
+def test_image_ships_warm_kernels_and_pods_keep_them():
+    """The image compiles the cpu kernels at build; the pod copies them into its cache volume first."""
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    assert re.search(r'^RUN python -c "from aclnn_server.backends.cpu import warm_up; warm_up\(\)"$', dockerfile, re.M)
+    assert dockerfile.index("NUMBA_CACHE_DIR=/home/aclnn/.cache/numba") < dockerfile.index("warm_up()")
+    (deployment,) = [d for d in yaml.safe_load_all((ROOT / "deploy/base/deployment.yaml").read_text())]
+    pod = deployment["spec"]["template"]["spec"]
+    (init,) = pod["initContainers"]
+    mounts = {m["name"]: m["mountPath"] for m in init["volumeMounts"]}
+    main = {m["name"]: m["mountPath"] for m in pod["containers"][0]["volumeMounts"]}
+    assert init["command"] == ["cp", "-a", "/home/aclnn/.cache/numba", mounts["cache"] + "/"]
+    assert main["cache"] == "/home/aclnn/.cache"
+
+
 def test_image_base_is_a_build_argument():
     dockerfile = (ROOT / "Dockerfile").read_text()
     assert re.search(r"^ARG BASE_IMAGE=python:3\.11-slim$", dockerfile, re.M)
