@@ -127,11 +127,13 @@ class DataChannel:
         ticket: bytes,
         open_ticket: Callable[[], bytes],
         tls: ssl.SSLContext | None = None,
+        server_hostname: str | None = None,  # the name its certificate must show (default: the address's host)
         max_connections: int = 32,
         connect_timeout: float = 5.0,  # seconds to reach the server before the client settles for gRPC
     ) -> None:
         self.address, self.tls = address, tls
         self.unix = isinstance(address, str)
+        self._server_hostname = server_hostname or (None if self.unix else address[0])
         self._ticket, self._open_ticket = ticket, open_ticket
         self._connect_timeout = connect_timeout
         self._idle: list[tuple[socket.socket, float]] = []  # with the time each went idle
@@ -325,7 +327,7 @@ class DataChannel:
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if self.tls is not None:
-                sock = self.tls.wrap_socket(sock, server_hostname=self.address[0])
+                sock = self.tls.wrap_socket(sock, server_hostname=self._server_hostname)
         except BaseException:
             sock.close()
             raise

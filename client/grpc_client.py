@@ -2,202 +2,67 @@
 
 from __future__ import annotations
 
-import ipaddress
-import itertools
-import json
 import logging
 import math
 import os
 import secrets
-import socket
-import ssl
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import grpc
-import numpy as np
 
 from ._proto import aclnn_pb2 as pb
-from ._proto import aclnn_pb2_grpc as pb_grpc
 from .api import BaseClient, Executor
 from .binding import BoundCall
 from .data_channel import METHODS as DATA_CHANNEL_METHODS
 from .data_channel import DataChannel, NoConnection
 from .errors import AclnnError
+from .pool import Pool, data_channel_host, is_loopback, parse_target
+from .staging import Staging
 from .tensor import Tensor, Value
-from .transfer import Region, RegionPool, byte_view, receive_into, to_chunks
+from .tls import check_token, settings
+from .transfer import Region, RegionPool, to_chunks
 from .types import numpy_dtype
-from .wire import decode_error, decode_output, encode_call
+from .wire import decode_error, encode_call
+
+__all__ = ["Client", "data_channel_host"]
 
 log = logging.getLogger("aclnn_client")
 
 # The server enforces its own message limit; the client accepts whatever it is sent.
 _UNLIMITED = -1
-# Worth another try elsewhere (a replica gone, or busy); everything else is the call's own answer.
+# Worth another try (a backend gone, or busy); everything else is the call's own answer.
 _RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
-# A server's device or runtime failure (361001): no retry policy replays it; the pool tries one other replica.
+# A server's device or runtime failure (361001): not replayed; one other backend is tried, once.
 _DEVICE_FAILED = grpc.StatusCode.ABORTED
-# How long a replica that answered UNAVAILABLE is passed over before it is tried again.
-_DOWN_S = 2.0
+# The one retry layer (gRPC's own retries are off): a retry-safe call (run, planning, listing) is
+# tried at most this many times, each on the next backend not known to be down, sleeping
+# 0.05, 0.1, 0.2 s (at most 0.35 s in all) before the 2nd, 3rd and 4th when it was refused as busy.
+ATTEMPTS = 4
+_BACKOFF_S = 0.05
 # How often a client holding state on a server (regions, repeatable executors) renews its session's lease.
 _KEEPALIVE_S = 10.0
-_SERVICE_CONFIG = json.dumps(
-    {
-        "loadBalancingConfig": [{"round_robin": {}}],
-        "methodConfig": [
-            {
-                # Plans and one-shot runs are safe to repeat; Execute spends an executor, so it is not retried here.
-                "name": [
-                    {"service": "aclnn.v1.Aclnn", "method": m} for m in ("Run", "GetWorkspaceSize", "ListOperators")
-                ],
-                "retryPolicy": {
-                    "maxAttempts": 4,
-                    "initialBackoff": "0.05s",
-                    "maxBackoff": "1s",
-                    "backoffMultiplier": 2,
-                    "retryableStatusCodes": ["UNAVAILABLE", "RESOURCE_EXHAUSTED"],
-                },
-            }
-        ],
-    }
-)
-
-
-def replica_addresses(target: str | Sequence[str]) -> list[str]:
-    """One address per replica: a list as given, a dns:/// name resolved to its addresses, else the target."""
-    if not isinstance(target, str):
-        return list(target)
-    if target.startswith("dns:///"):
-        host, _, port = target[len("dns:///") :].rpartition(":")
-        try:
-            infos = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
-        except (OSError, ValueError):
-            return [target]  # let gRPC resolve (and report) it
-        addresses = {f"[{a[4][0]}]:{port}" if a[0] == socket.AF_INET6 else f"{a[4][0]}:{port}" for a in infos}
-        return sorted(addresses)
-    return [target]
-
-
-class _Download:
-    """A result kept on the server, streamed straight into the caller's output when written."""
-
-    def __init__(self, client: Client, replica: int, output: pb.OutputTensor) -> None:
-        self.client, self.replica, self.handle = client, replica, output.handle
-        self.dtype, self.shape = numpy_dtype(output.data_type), tuple(output.dims)
-
-    def write_into(self, view: np.ndarray) -> None:
-        channel = self.client._data_channel(self.replica)
-        if channel is not None:
-            try:
-                channel.download(self.handle, view, self.client._timeout)
-                return
-            except NoConnection as exc:
-                self.client._no_connection(self.replica, exc)
-        stub = self.client._stubs[self.replica]
-        try:
-            chunks = stub.DownloadTensor(
-                pb.TensorHandle(handle=self.handle), metadata=self.client._metadata(), timeout=self.client._timeout
-            )
-            receive_into(view, chunks)
-        except grpc.RpcError as error:
-            raise decode_error(error) from None
-
-
-class _Staging:
-    """One call's bytes outside its messages: uploads, shared-memory regions, kept results.
-
-    Everything it takes is given back at exit, after the outputs were written. Regions of a
-    call that did not end normally are retired, not reused: the server may still be writing
-    its late results into them.
-    """
-
-    def __init__(self, client: Client) -> None:
-        self.client = client
-        self.handles: list[tuple[int, str]] = []
-        self.regions: list[Region] = []
-        self.output_regions: dict[str, Region] = {}
-
-    def __enter__(self) -> _Staging:
-        return self
-
-    def __exit__(self, exc_type: type | None, *exc_info: object) -> None:
-        self.reset(failed=exc_type is not None)
-
-    def reset(self, failed: bool) -> None:
-        """Gives back what an attempt took (at the end, or after a failed attempt before a retry)."""
-        for replica, handle in self.handles:
-            self.client._free(replica, handle)
-        if failed:
-            self.client._retire(self.regions)
-        else:
-            self.client._regions.release(self.regions)
-        self.handles, self.regions, self.output_regions = [], [], {}
-
-    def input(self, replica: int, name: str, tensor: Tensor) -> bytes | pb.StorageRef:
-        """The tensor's storage inline, as a shared-memory slice, or uploaded in chunks (large)."""
-        data = byte_view(tensor.data)
-        region = self._region(replica, data.nbytes)
-        if region is not None:
-            region[0].array[: data.nbytes] = np.frombuffer(data, np.uint8)
-            return pb.StorageRef(region=pb.RegionSlice(region=region[1], offset=0, size=data.nbytes))
-        if data.nbytes > self.client.max_inline_bytes:
-            try:
-                handle = self.client._upload(replica, data)
-            except AclnnError as error:  # an upload refused for its size: the tensor's fault, by its name
-                if error.param != "chunk":
-                    raise
-                message = error.message.removeprefix("chunk: ")
-                raise AclnnError(error.code, f"{name}: {message}", name, error.grpc_code) from None
-            self.handles.append((replica, handle))
-            return pb.StorageRef(handle=handle)
-        return data.tobytes()
-
-    def place(self, replica: int, sizes: Mapping[str, int], placements: Any) -> None:
-        """Large results stay on the server (then stream back); with shared memory they land in a region."""
-        for name, size in sizes.items():
-            region = self._region(replica, size)
-            if region is not None:
-                self.output_regions[name] = region[0]
-                placements[name].region.CopyFrom(pb.RegionSlice(region=region[1], offset=0, size=size))
-            elif size > self.client.max_inline_bytes:
-                placements[name].keep_on_server = True
-
-    def results(self, replica: int, outputs: Mapping[str, pb.OutputTensor]) -> dict[str, Any]:
-        results: dict[str, Any] = {}
-        for name, output in outputs.items():
-            if output.handle:
-                self.handles.append((replica, output.handle))
-                results[name] = _Download(self.client, replica, output)
-            elif name in self.output_regions:
-                dtype, dims = numpy_dtype(output.data_type), tuple(output.dims)
-                buffer = self.output_regions[name].array[: math.prod(dims) * dtype.itemsize]
-                results[name] = buffer.view(dtype).reshape(dims)
-            else:
-                results[name] = decode_output(output)
-        return results
-
-    def _region(self, replica: int, size: int) -> tuple[Region, str] | None:
-        """A region for `size` bytes and its id on the replica; None: the bytes go another way."""
-        if not self.client._shared_memory or size == 0:
-            return None
-        region = self.client._region(replica, size)
-        if region is not None:
-            self.regions.append(region[0])
-        return region
+# Balanced channels spread stateless calls over every backend the name resolves to.
+_SERVICE_CONFIG = '{"loadBalancingConfig": [{"round_robin": {}}]}'
 
 
 class Client(BaseClient):
     """Calls aclnn operators on an aclnn-serve server, or on a pool of replicas.
 
-    `target` is "host:port", a list of them, or "dns:///name:port" (each address a replica,
-    as behind a headless Kubernetes Service). Plans and runs are spread round-robin; `run`
-    (and planning) moves to another replica when one is gone or busy. An executor lives on
-    the replica that planned it; if that replica is gone, `execute` plans the call again
-    elsewhere. `token` is sent as a bearer token; the certificate arguments are PEM bytes
-    for TLS (all three for mutual TLS). `timeout` is each RPC's deadline in seconds.
+    `target` is "host:port", a list of them, or a DNS name ("name:port", "dns:///name:port",
+    "dns://DNS-SERVER:53/name:port", as behind a headless Kubernetes Service). A name is resolved
+    again while the client runs: stateless calls go round-robin through gRPC's own resolver, and
+    state (an executor, a kept result, regions) stays with the backend that holds it (see
+    `client/pool.py`). `run` and planning move to another backend when one is gone or busy (at
+    most ATTEMPTS tries); an executor whose backend is gone is planned again elsewhere.
+
+    TLS: `tls=True` verifies servers against the system's trust store; any of the PEM arguments
+    (`root_certificates`, and `private_key` with `certificate_chain` for mutual TLS) implies TLS.
+    Certificates are verified against the host name in `target`, on gRPC and the data channel.
+    `token` is sent as a bearer token, and never in clear to a server off this host: that raises
+    ValueError unless `allow_plaintext_token=True`. `timeout` is each RPC's deadline in seconds.
 
     Tensors larger than `max_inline_bytes` are streamed in chunks and referenced by handle,
     so they may exceed gRPC's message limits (2 GiB included). With `data_channel=True` (the
@@ -214,9 +79,11 @@ class Client(BaseClient):
         target: str | Sequence[str],
         *,
         token: str | None = None,
+        tls: bool = False,
         root_certificates: bytes | None = None,
         private_key: bytes | None = None,
         certificate_chain: bytes | None = None,
+        allow_plaintext_token: bool = False,
         shared_memory: bool = False,
         data_channel: bool = True,
         unix_socket: bool = True,
@@ -224,36 +91,22 @@ class Client(BaseClient):
         max_inline_bytes: int = 4 << 20,
         options: Sequence[tuple[str, Any]] = (),
     ) -> None:
+        parsed = parse_target(target)
+        self._tls = settings(tls, root_certificates, private_key, certificate_chain)
+        check_token(token, self._tls, parsed.loopback, allow_plaintext_token)  # before anything connects
         super().__init__()
-        addresses = replica_addresses(target)
         channel_options = [
             ("grpc.max_send_message_length", _UNLIMITED),
             ("grpc.max_receive_message_length", _UNLIMITED),
             ("grpc.service_config", _SERVICE_CONFIG),
-            # One server: gRPC retries in place. Several: this client moves the call to another replica.
-            ("grpc.enable_retries", int(len(addresses) == 1)),
+            ("grpc.enable_retries", 0),  # one retry layer: this client's (ATTEMPTS)
             *options,
         ]
-        secure = root_certificates or private_key or certificate_chain
-        credentials = (
-            grpc.ssl_channel_credentials(root_certificates, private_key, certificate_chain) if secure else None
-        )
-        self._channels = [
-            grpc.secure_channel(a, credentials, channel_options)
-            if credentials
-            else grpc.insecure_channel(a, channel_options)
-            for a in addresses
-        ]
-        self._stubs = [pb_grpc.AclnnStub(c) for c in self._channels]
-        # Per replica: its data channel, None (gRPC only), absent until first needed.
-        self._addresses = addresses
+        self._pool = Pool(parsed, self._tls.credentials() if self._tls else None, channel_options)
+        # Per backend: its data channel, None (gRPC only), absent until first needed.
         self._data_channels: dict[int, DataChannel | None] = {}
-        if not data_channel:
-            self._data_channels = dict.fromkeys(range(len(addresses)))
-        self._tls_pem = (root_certificates, private_key, certificate_chain) if secure else None
+        self._use_data_channel = data_channel
         self._data_lock = threading.Lock()
-        self._down_until = [0.0] * len(addresses)
-        self._turn = itertools.count()
         self._base_metadata = (("x-aclnn-session", secrets.token_hex(16)),)
         if token:
             self._base_metadata += (("authorization", f"Bearer {token}"),)
@@ -262,7 +115,7 @@ class Client(BaseClient):
         self._unix_socket = unix_socket
         self._shared_memory = shared_memory and hasattr(os, "memfd_create")
         self._regions = RegionPool()
-        # Replicas holding state of this client's session (regions, executors), with a count each:
+        # Backends holding state of this client's session (regions, executors), with a count each:
         # the keepalive thread renews their leases while any is held.
         self._held: dict[int, int] = {}
         self._held_lock = threading.Lock()
@@ -286,12 +139,11 @@ class Client(BaseClient):
         self._regions.close()
         for channel in channels:
             channel.close()
-        for channel in self._channels:
-            channel.close()
+        self._pool.close()
 
     def list_operators(self) -> dict[str, list[dict[str, Any]]]:
         """The server's operators and their parameters (name, kind, output, optional)."""
-        reply, _ = self._call_any("ListOperators", lambda replica: pb.Empty())
+        reply, _ = self._call_any("ListOperators", lambda replica: pb.Empty(), stateless=lambda: True)
         return {
             op.name: [{"name": p.name, "kind": p.kind, "output": p.output, "optional": p.optional} for p in op.params]
             for op in reply.operators
@@ -302,7 +154,11 @@ class Client(BaseClient):
     def _metadata(self, stream: int | None = None) -> tuple[tuple[str, str], ...]:
         return self._base_metadata if stream is None else (*self._base_metadata, ("x-aclnn-stream", str(stream)))
 
-    def _call_on(self, replica: int, method: str, request: Any, stream: int | None = None) -> Any:
+    def _call_on(
+        self, replica: int, method: str, request: Any, stream: int | None = None, stateless: bool = False
+    ) -> Any:
+        """Calls one backend: over its data channel when it has one, else gRPC (the balanced channel
+        when the call is `stateless` and the target is a name: gRPC picks the backend)."""
         channel = self._data_channel(replica) if method in DATA_CHANNEL_METHODS else None
         if channel is not None:
             try:
@@ -313,57 +169,53 @@ class Client(BaseClient):
                 if error.grpc_code == grpc.StatusCode.UNAVAILABLE:
                     self._forget_data_channel(replica)  # the server may be back on another port: ask again
                 raise
-        return self._call_grpc(replica, method, request, stream)
+        return self._call_grpc(None if stateless and self._pool.balanced else replica, method, request, stream)
 
     def _no_connection(self, replica: int, exc: NoConnection) -> None:
         """The data channel had no connection for a request (which then goes over gRPC)."""
-        log.debug("data channel of replica %d: %s; this request goes over gRPC", replica, exc)
+        log.debug("data channel of backend %d: %s; this request goes over gRPC", replica, exc)
         if not exc.refused:
             self._forget_data_channel(replica)  # gone, or restarted elsewhere: ask for a new one next time
 
-    def _call_grpc(self, replica: int, method: str, request: Any, stream: int | None = None) -> Any:
+    def _call_grpc(self, replica: int | None, method: str, request: Any, stream: int | None = None) -> Any:
+        """One RPC on a backend's own channel, or on the balanced channel (`replica` None)."""
+        stub = self._pool.balanced if replica is None else self._pool.stub(replica)
         try:
-            return getattr(self._stubs[replica], method)(
-                request, metadata=self._metadata(stream), timeout=self._timeout
-            )
+            return getattr(stub, method)(request, metadata=self._metadata(stream), timeout=self._timeout)
         except grpc.RpcError as error:
             raise decode_error(error) from None
 
-    def _next_replica(self) -> int:
-        """The next replica in turn that is not known to be down (any, if all are)."""
-        now, count = time.monotonic(), len(self._stubs)
-        first = next(self._turn) % count
-        for step in range(count):
-            replica = (first + step) % count
-            if self._down_until[replica] <= now:
-                return replica
-        return first
+    def _call_any(
+        self,
+        method: str,
+        build: Callable[[int], Any],
+        stream: int | None = None,
+        stateless: Callable[[], bool] = lambda: False,
+    ) -> tuple[Any, int]:
+        """Builds the request for the next backend in turn and calls it; a gone or busy one hands it on.
 
-    def _call_any(self, method: str, build: Callable[[int], Any], stream: int | None = None) -> tuple[Any, int]:
-        """Builds the request for the next replica in turn and calls it; a gone or busy one hands it on.
-
-        A device failure (ABORTED) is not a replica gone: one other replica is tried, once, and the
-        one whose device failed is not tried again.
+        At most ATTEMPTS tries. A device failure (ABORTED) is not a backend gone: one other backend
+        is tried, once, and the one whose device failed is not tried again.
         """
-        attempts = max(3, 2 * len(self._stubs))
         device_failed: int | None = None
-        for attempt in range(attempts):
-            replica = self._next_replica()
+        for attempt in range(ATTEMPTS):
+            replica = self._pool.next()
             if replica == device_failed:
-                replica = (replica + 1) % len(self._stubs)
+                replica = self._pool.next()
+            request = build(replica)
             try:
-                return self._call_on(replica, method, build(replica), stream), replica
+                return self._call_on(replica, method, request, stream, stateless()), replica
             except AclnnError as error:
-                elsewhere = error.grpc_code == _DEVICE_FAILED and device_failed is None and len(self._stubs) > 1
-                if not (elsewhere or error.grpc_code in _RETRYABLE) or attempt == attempts - 1:
+                elsewhere = error.grpc_code == _DEVICE_FAILED and device_failed is None and self._pool.count() > 1
+                if not (elsewhere or error.grpc_code in _RETRYABLE) or attempt == ATTEMPTS - 1:
                     raise
                 if elsewhere:
                     device_failed = replica
                     continue
                 if error.grpc_code == grpc.StatusCode.UNAVAILABLE:
-                    self._down_until[replica] = time.monotonic() + _DOWN_S
-                if len(self._stubs) == 1 or attempt >= len(self._stubs) - 1:
-                    time.sleep(min(0.05 * (attempt + 1), 0.5))  # every replica tried: back off
+                    self._pool.down(replica)
+                if error.grpc_code == grpc.StatusCode.RESOURCE_EXHAUSTED or self._pool.count() == 1:
+                    time.sleep(_BACKOFF_S * 2**attempt)  # busy, or nowhere else to go: back off
         raise AssertionError("unreachable")
 
     def _output_names(self, op: str) -> frozenset[str]:
@@ -387,7 +239,7 @@ class Client(BaseClient):
         sizes = _output_sizes(call.values, call.output_targets)
         for attempt in range(2):
             replica, _, server_id = executor.id.partition("/")
-            with _Staging(self) as staging:
+            with Staging(self) as staging:
                 request = pb.ExecuteRequest(executor=server_id)
                 for name, tensor in call.inputs().items():
                     staged = staging.input(int(replica), name, tensor)
@@ -412,7 +264,7 @@ class Client(BaseClient):
 
     def _run_once(self, call: BoundCall, stream: int | None) -> None:
         sizes = _output_sizes(call.values, call.output_targets)
-        with _Staging(self) as staging:
+        with Staging(self) as staging:
 
             def build(replica: int) -> pb.OpCall:
                 staging.reset(failed=True)  # a previous attempt's, which failed (its regions may still be written)
@@ -426,7 +278,7 @@ class Client(BaseClient):
                 staging.place(replica, sizes, request.placements)
                 return request
 
-            reply, replica = self._call_any("Run", build, stream)
+            reply, replica = self._call_any("Run", build, stream, stateless=lambda: staging.stateless)
             call.write_outputs(staging.results(replica, reply.outputs))
 
     def _regions_kept(self, attempt: Callable[[], None]) -> None:
@@ -485,13 +337,16 @@ class Client(BaseClient):
             except NoConnection as exc:
                 self._no_connection(replica, exc)
         try:
-            reply = self._stubs[replica].UploadTensor(to_chunks(data), metadata=self._metadata(), timeout=self._timeout)
+            stub = self._pool.stub(replica)
+            reply = stub.UploadTensor(to_chunks(data), metadata=self._metadata(), timeout=self._timeout)
         except grpc.RpcError as error:
             raise decode_error(error) from None
         return reply.handle
 
     def _data_channel(self, replica: int) -> DataChannel | None:
-        """The replica's data channel, asked for once; None when it offers none or cannot be reached."""
+        """The backend's data channel, asked for once; None when it offers none or cannot be reached."""
+        if not self._use_data_channel:
+            return None
         if replica in self._data_channels:
             return self._data_channels[replica]
         with self._data_lock:
@@ -501,9 +356,9 @@ class Client(BaseClient):
 
     def _open_data_channel(self, replica: int) -> DataChannel | None:
         """The server's Unix socket when it runs on this host, else its TCP data channel; None: gRPC only."""
-        address = self._addresses[replica]
+        address = self._pool.address(replica)
         host = data_channel_host(address)
-        local = address.startswith("unix:") or (host is not None and _is_loopback(host))
+        local = address.startswith("unix:") or (host is not None and is_loopback(host))
         if host is None and not local:
             return None
         try:
@@ -523,8 +378,9 @@ class Client(BaseClient):
             ways.append((host, offer.port))
         failures = []
         for way in ways:
-            tls = tls_context(*self._tls_pem) if self._tls_pem and not isinstance(way, str) else None
-            channel = DataChannel(way, offer.ticket, open_ticket, tls=tls)
+            tls = self._tls.context() if self._tls and not isinstance(way, str) else None
+            # Its ticket came from the backend at this address: its data port is at the same address.
+            channel = DataChannel(way, offer.ticket, open_ticket, tls=tls, server_hostname=self._pool.target.host)
             try:
                 channel.warm()  # one real connection (TLS and admission included) proves the way
             except NoConnection as exc:
@@ -610,40 +466,7 @@ class Client(BaseClient):
                 try:
                     self._call_on(replica, "KeepAlive", pb.Empty())
                 except Exception as exc:  # the thread must outlive any one failure
-                    log.warning("keepalive to %s failed: %s", self._addresses[replica], exc)
-
-
-def tls_context(
-    root_certificates: bytes | None, private_key: bytes | None, certificate_chain: bytes | None
-) -> ssl.SSLContext:
-    """The data channel's TLS, from the same PEM bytes as the gRPC channel's (the system roots without any)."""
-    context = ssl.create_default_context(cadata=root_certificates.decode() if root_certificates else None)
-    if private_key and certificate_chain:
-        # ssl loads a client certificate only from files: they live for this call, readable by us alone.
-        with tempfile.TemporaryDirectory() as directory:
-            paths = [os.path.join(directory, name) for name in ("chain.pem", "key.pem")]
-            for path, pem in zip(paths, (certificate_chain, private_key)):
-                with open(os.open(path, os.O_WRONLY | os.O_CREAT, 0o600), "wb") as f:
-                    f.write(pem)
-            context.load_cert_chain(*paths)
-    return context
-
-
-def data_channel_host(address: str) -> str | None:
-    """The host of a "host:port" or "[v6]:port" address (None for other gRPC targets: unix:, ...)."""
-    host, colon, port = address.rpartition(":")
-    if not colon or not port.isdigit() or "/" in host or host.startswith(("unix", "ipv4", "ipv6", "vsock")):
-        return None
-    return host[1:-1] if host.startswith("[") else host
-
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+                    log.warning("keepalive to %s failed: %s", self._pool.address(replica), exc)
 
 
 def _lost(executor: Executor, error: AclnnError) -> bool:

@@ -266,7 +266,7 @@ def test_registrations_survive_a_server_restart(tmp_path, rng):
             proc.send_signal(signal.SIGKILL)  # its socket file stays behind
             proc.wait()
             proc, _ = start_server(*args)
-            grpc.channel_ready_future(c._channels[0]).result(timeout=30)  # its gRPC channel is back
+            grpc.channel_ready_future(c._pool.channel(0)).result(timeout=30)  # its gRPC channel is back
             p = layer_norm_call(rng, (64, 1024))
             c.run(OP, **p)  # the same client: a new ticket, its regions registered again
             check(p)
