@@ -96,6 +96,12 @@ class ServerOptions(BaseSettings):
         60.0, gt=0, description="seconds a client session's tensors and regions outlive its last call"
     )
     grace_period_s: float = Field(10.0, ge=0, description="seconds in-flight calls get to finish on SIGTERM")
+    max_connection_age_s: float = Field(
+        300.0,
+        gt=0,
+        description="seconds before the server asks a client to reconnect its gRPC connection (GOAWAY), so "
+        "that clients resolving a DNS name spread onto replicas added since",
+    )
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="logging level")
 
     @classmethod

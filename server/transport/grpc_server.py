@@ -186,6 +186,10 @@ class AclnnServer:
                 ("grpc.max_send_message_length", options.max_message_bytes),
                 # One server per port: a second one must fail to bind, not silently share it.
                 ("grpc.so_reuseport", 0),
+                # Clients re-resolve a DNS name when a connection ends: ending each after a while lets
+                # pods added by an autoscaler get calls. Calls in flight get the grace period to finish.
+                ("grpc.max_connection_age_ms", int(options.max_connection_age_s * 1000)),
+                ("grpc.max_connection_age_grace_ms", int(options.grace_period_s * 1000)),
             ],
         )
         self.service = AclnnService(engine, self.metrics, self.storage)
