@@ -41,7 +41,7 @@ class BaseClient(abc.ABC):
 
     def get_workspace_size(self, op: str, /, **params: Any) -> tuple[int, Executor]:
         """Validates and plans a call on the server; returns (workspace_size, executor)."""
-        call = bind(op, params, self._output_names(op))
+        call = bind(op, params, self._output_names(op), self._inout_names(op))
         workspace_size, executor_id = self._get_workspace_size(op, call.descriptors())
         return workspace_size, Executor(executor_id, call, workspace_size)
 
@@ -56,12 +56,12 @@ class BaseClient(abc.ABC):
 
     def run(self, op: str, /, *, stream: int | None = None, **params: Any) -> None:
         """Both phases in one round trip; fills the outputs in place."""
-        call = bind(op, params, self._output_names(op))
+        call = bind(op, params, self._output_names(op), self._inout_names(op))
         self._in_order(stream, lambda: self._run(call, stream)).result()
 
     def run_async(self, op: str, /, *, stream: int | None = None, **params: Any) -> concurrent.futures.Future:
         """`run` in the background: the future's result is None once the outputs are filled."""
-        call = bind(op, params, self._output_names(op))
+        call = bind(op, params, self._output_names(op), self._inout_names(op))
         return self._in_order(stream, lambda: self._run(call, stream), background=True)
 
     def _in_order(
@@ -119,6 +119,10 @@ class BaseClient(abc.ABC):
     @abc.abstractmethod
     def _output_names(self, op: str) -> frozenset[str]:
         """The output parameter names of an operator (empty for an unknown one)."""
+
+    @abc.abstractmethod
+    def _inout_names(self, op: str) -> frozenset[str]:
+        """The tensors an operator reads and updates in place (written back like outputs)."""
 
     @abc.abstractmethod
     def _get_workspace_size(self, op: str, values: Mapping[str, Value]) -> tuple[int, str]: ...

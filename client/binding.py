@@ -50,6 +50,7 @@ class BoundCall:
     op: str
     values: dict[str, Value]  # every parameter; tensors carry their storage
     output_targets: dict[str, Any]  # output name -> the caller's ndarray or Tensor
+    inout: frozenset[str] = frozenset()  # outputs that are also inputs (updated in place): their bytes ship
 
     def descriptors(self) -> dict[str, Value]:
         """The values without any storage: what validation needs."""
@@ -57,7 +58,11 @@ class BoundCall:
 
     def inputs(self) -> dict[str, Tensor]:
         """Input tensors with their storage, read from the caller's arrays now."""
-        return {n: v for n, v in self.values.items() if isinstance(v, Tensor) and n not in self.output_targets}
+        return {
+            n: v
+            for n, v in self.values.items()
+            if isinstance(v, Tensor) and (n not in self.output_targets or n in self.inout)
+        }
 
     def write_outputs(self, results: Mapping[str, Any]) -> None:
         """Writes each result into its output's view; checks every target before writing any.
@@ -96,14 +101,18 @@ class BoundCall:
         return views
 
 
-def bind(op: str, params: Mapping[str, Any], output_names: frozenset[str]) -> BoundCall:
+def bind(
+    op: str, params: Mapping[str, Any], output_names: frozenset[str], inout_names: frozenset[str] = frozenset()
+) -> BoundCall:
+    """`inout_names`: tensors the operator reads and updates in place (also among the results)."""
     params = {name: _host_array(name, arg) for name, arg in params.items()}
     values = {name: to_value(name, arg) for name, arg in params.items()}
-    targets = {n: params[n] for n in output_names if isinstance(params.get(n), (np.ndarray, Tensor))}
+    written = output_names | inout_names
+    targets = {n: params[n] for n in written if isinstance(params.get(n), (np.ndarray, Tensor))}
     # Outputs never ship bytes: the server allocates results and they come back here.
-    for name in targets:
+    for name in targets.keys() - inout_names:
         values[name] = values[name].without_data()
-    return BoundCall(op, values, targets)
+    return BoundCall(op, values, targets, inout_names & targets.keys())
 
 
 def _host_array(name: str, arg: Any) -> Any:

@@ -123,7 +123,7 @@ class Client(BaseClient):
         self._region_replicas: set[int] = set()
         self._keepalive: threading.Thread | None = None
         self._closed = threading.Event()
-        self._operators: dict[str, frozenset[str]] | None = None
+        self._operators: dict[str, tuple[frozenset[str], frozenset[str]]] | None = None
         self._operators_lock = threading.Lock()
 
     def close(self) -> None:
@@ -142,10 +142,13 @@ class Client(BaseClient):
         self._pool.close()
 
     def list_operators(self) -> dict[str, list[dict[str, Any]]]:
-        """The server's operators and their parameters (name, kind, output, optional)."""
+        """The server's operators and their parameters (name, kind, output, optional, inout)."""
         reply, _ = self._call_any("ListOperators", lambda replica: pb.Empty(), stateless=lambda: True)
         return {
-            op.name: [{"name": p.name, "kind": p.kind, "output": p.output, "optional": p.optional} for p in op.params]
+            op.name: [
+                {"name": p.name, "kind": p.kind, "output": p.output, "optional": p.optional, "inout": p.inout}
+                for p in op.params
+            ]
             for op in reply.operators
         }
 
@@ -219,13 +222,23 @@ class Client(BaseClient):
         raise AssertionError("unreachable")
 
     def _output_names(self, op: str) -> frozenset[str]:
+        return self._written_names(op)[0]
+
+    def _inout_names(self, op: str) -> frozenset[str]:
+        return self._written_names(op)[1]
+
+    def _written_names(self, op: str) -> tuple[frozenset[str], frozenset[str]]:
+        """An operator's outputs and its in/out tensors, as the server lists them (asked once)."""
         with self._operators_lock:
             if self._operators is None:
                 self._operators = {
-                    name: frozenset(p["name"] for p in params if p["output"])
+                    name: (
+                        frozenset(p["name"] for p in params if p["output"]),
+                        frozenset(p["name"] for p in params if p["inout"]),
+                    )
                     for name, params in self.list_operators().items()
                 }
-        return self._operators.get(op, frozenset())
+        return self._operators.get(op, (frozenset(), frozenset()))
 
     def _get_workspace_size(self, op: str, values: Mapping[str, Value]) -> tuple[int, str]:
         plan, replica = self._call_any("GetWorkspaceSize", lambda replica: encode_call(op, values))

@@ -321,6 +321,9 @@ class Engine:
         outputs = {
             name: given[name] if in_place else np.empty(desc.shape, desc.dtype) for name, desc in plan.outputs.items()
         }
+        for name in plan.outputs.keys() & plan.inputs.keys():  # in/out: updated in place, from the input's values
+            outputs[name][...] = args[name]
+            args[name] = outputs[name]
         for spec in operator.signature.params:
             if spec.kind is Kind.TENSOR:
                 args.setdefault(spec.name, outputs.get(spec.name))

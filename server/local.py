@@ -38,6 +38,10 @@ class LocalClient(BaseClient):
         operator = self.engine.operators.get(op)
         return frozenset(p.name for p in operator.signature.params if p.output) if operator else frozenset()
 
+    def _inout_names(self, op: str) -> frozenset[str]:
+        operator = self.engine.operators.get(op)
+        return frozenset(p.name for p in operator.signature.params if p.inout) if operator else frozenset()
+
     def _get_workspace_size(self, op: str, values: Mapping[str, Value]) -> tuple[int, str]:
         return self.engine.get_workspace_size(op, values, self._call())
 

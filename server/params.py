@@ -38,10 +38,18 @@ class ParamSpec:
     output: bool = False
     optional: bool = False
     mask_index: int | None = None  # the outputMask entry that enables this output
+    # An input the call updates in place (CANN's running statistics): validated as an input, also
+    # written as an output; clients ship its values and write the new ones back into the caller's array.
+    inout: bool = False
 
 
 def tensor(name: str, *, optional: bool = False) -> ParamSpec:
     return ParamSpec(name, Kind.TENSOR, optional=optional)
+
+
+def inout(name: str) -> ParamSpec:
+    """An optional tensor the call reads and then updates in place."""
+    return ParamSpec(name, Kind.TENSOR, optional=True, inout=True)
 
 
 def output(name: str, mask_index: int | None = None) -> ParamSpec:
@@ -100,7 +108,7 @@ class Signature:
                 continue
             if spec.mask_index is not None and (mask is None or not mask[spec.mask_index]):
                 continue
-            tensors[spec.name] = validate_tensor(spec.name, value, spec.output)
+            tensors[spec.name] = validate_tensor(spec.name, value, spec.output or spec.inout)
         return tensors
 
 

@@ -19,6 +19,8 @@ from layer_norm_cases import layer_norm_call
 from layer_norm_forward_cases import layer_norm_forward_call
 from oracle import BF16, assert_close
 from rms_norm_cases import rms_norm_call, rms_norm_grad_call
+from sync_batch_norm_cases import elemt_call as sync_elemt_call
+from sync_batch_norm_cases import gather_call, stats_call
 from test_grpc_abuse import Server
 from test_layer_norm_grad import lng_call
 
@@ -36,6 +38,9 @@ OUTPUTS = {
     "aclnnRmsNormGrad": ("dxOut", "dgammaOut"),
     "aclnnGroupNorm": ("out", "meanOut", "rstdOut"),
     "aclnnGroupNormBackward": ("gradInput", "gradGammaOut", "gradBetaOut"),
+    "aclnnBatchNormStats": ("mean", "invstd"),
+    "aclnnBatchNormGatherStatsWithCounts": ("meanAll", "invstdAll"),
+    "aclnnBatchNormElemt": ("output",),
 }
 
 
@@ -57,6 +62,10 @@ def cases() -> list[tuple[str, dict]]:
         ("aclnnRmsNormGrad", rms_norm_grad_call(rng, (64, 1024), 1, BF16, "float32")),
         ("aclnnGroupNorm", group_norm_call(rng, (8, 16, 32, 16), 4)),
         ("aclnnGroupNormBackward", group_norm_backward_call(rng, (8, 16, 32, 16), 4)),
+        ("aclnnBatchNormStats", stats_call(rng, (8, 16, 32, 32))),
+        # No running statistics: calls sharing one in/out array would update it in any order.
+        ("aclnnBatchNormGatherStatsWithCounts", gather_call(rng, 64, 8, running=False)),
+        ("aclnnBatchNormElemt", sync_elemt_call(rng, (8, 16, 32, 32))),
     ]
 
 

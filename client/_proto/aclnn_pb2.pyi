@@ -227,16 +227,18 @@ class Empty(_message.Message):
     def __init__(self) -> None: ...
 
 class ParamInfo(_message.Message):
-    __slots__ = ("name", "kind", "output", "optional")
+    __slots__ = ("name", "kind", "output", "optional", "inout")
     NAME_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_FIELD_NUMBER: _ClassVar[int]
     OPTIONAL_FIELD_NUMBER: _ClassVar[int]
+    INOUT_FIELD_NUMBER: _ClassVar[int]
     name: str
     kind: str
     output: bool
     optional: bool
-    def __init__(self, name: _Optional[str] = ..., kind: _Optional[str] = ..., output: _Optional[bool] = ..., optional: _Optional[bool] = ...) -> None: ...
+    inout: bool
+    def __init__(self, name: _Optional[str] = ..., kind: _Optional[str] = ..., output: _Optional[bool] = ..., optional: _Optional[bool] = ..., inout: _Optional[bool] = ...) -> None: ...
 
 class OperatorInfo(_message.Message):
     __slots__ = ("name", "params")

@@ -5,7 +5,10 @@ from __future__ import annotations
 from ..registry import Operator
 from . import (
     batch_norm_backward,
+    batch_norm_elemt,
     batch_norm_elemt_backward,
+    batch_norm_gather_stats_with_counts,
+    batch_norm_stats,
     group_norm,
     group_norm_backward,
     layer_norm,
@@ -27,5 +30,8 @@ OPERATORS: dict[str, Operator] = {
         rms_norm_grad,
         group_norm,
         group_norm_backward,
+        batch_norm_stats,
+        batch_norm_gather_stats_with_counts,
+        batch_norm_elemt,
     )
 }

@@ -194,7 +194,9 @@ class AclnnService:
                 pb.OperatorInfo(
                     name=name,
                     params=[
-                        pb.ParamInfo(name=p.name, kind=p.kind.value, output=p.output, optional=p.optional)
+                        pb.ParamInfo(
+                            name=p.name, kind=p.kind.value, output=p.output, optional=p.optional, inout=p.inout
+                        )
                         for p in op.signature.params
                     ],
                 )
