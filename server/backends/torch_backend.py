@@ -3,8 +3,13 @@
 aclnnLayerNormBackward is `aten.native_layer_norm_backward`, aclnnBatchNormBackward is
 `aten.native_batch_norm_backward` (channel-last tensors moved to channel-first, rank > 5
 folded to `[N, C, -1]`); LayerNormGrad and aclnnBatchNormElemtBackward are composed from
-torch ops. Inputs are widened to float32 on the host, the math runs in float32 on the
+torch ops. Their inputs are widened to float32 on the host, the math runs in float32 on the
 device, and each result is cast to its output's dtype (bf16 via ml_dtypes on the host).
+aclnnLayerNorm, aclnnGroupNorm and aclnnGroupNormBackward are `aten.native_layer_norm`,
+`aten.native_group_norm` and `aten.native_group_norm_backward`; the RMSNorm pair and SyncBatchNorm's
+helpers (aclnnBatchNormStats, aclnnBatchNormGatherStatsWithCounts, aclnnBatchNormElemt: aten has
+them on CUDA only) are their documented formulas. These run wholly in the accumulation dtype below
+(float64 on cpu and cuda), each output rounded once to its dtype.
 Parameter gradients of LayerNorm (sums over all rows) are taken in float64 where the device
 has it (cpu, cuda), so that long reductions meet SPEC 1.5's fp32 tolerance. LayerNorm's
 gradInput follows SPEC 3.2's formula (row sums in that precision too) rather than aten's
@@ -24,6 +29,19 @@ import numpy as np
 from ..registry import Operator, Plan
 
 CHANNEL_LAST_RANK = {1: 4, 27: 5}  # aclFormat NHWC -> rank 4, NDHWC -> rank 5
+# The operators computed wholly in acc_dtype (see the module docstring).
+ACC_DTYPE_OPS = frozenset(
+    {
+        "aclnnLayerNorm",
+        "aclnnRmsNorm",
+        "aclnnRmsNormGrad",
+        "aclnnGroupNorm",
+        "aclnnGroupNormBackward",
+        "aclnnBatchNormStats",
+        "aclnnBatchNormGatherStatsWithCounts",
+        "aclnnBatchNormElemt",
+    }
+)
 
 
 def _import_torch() -> Any:
@@ -58,14 +76,23 @@ class TorchBackend:
             "LayerNormGrad": self._layer_norm_grad,
             "aclnnBatchNormBackward": self._batch_norm_backward,
             "aclnnBatchNormElemtBackward": self._batch_norm_elemt_backward,
+            "aclnnLayerNorm": self._layer_norm,
+            "aclnnRmsNorm": self._rms_norm,
+            "aclnnRmsNormGrad": self._rms_norm_grad,
+            "aclnnGroupNorm": self._group_norm,
+            "aclnnGroupNormBackward": self._group_norm_backward,
+            "aclnnBatchNormStats": self._batch_norm_stats,
+            "aclnnBatchNormGatherStatsWithCounts": self._batch_norm_gather_stats,
+            "aclnnBatchNormElemt": self._batch_norm_elemt,
         }
 
     # ------------------------------------------------------------------ Backend protocol
 
     def workspace_size(self, operator: Operator, plan: Plan) -> int:
-        """Float32 copies of the inputs and the outputs on the device (a bound, not an exact count)."""
+        """Copies of the inputs and the outputs on the device, float32 or acc_dtype (a bound, not an exact count)."""
         numel = sum(t.numel for t in plan.inputs.values()) + sum(t.numel for t in plan.outputs.values())
-        return 4 * 3 * numel
+        itemsize = self.acc_dtype.itemsize if operator.name in ACC_DTYPE_OPS else 4
+        return itemsize * 3 * numel
 
     def compute(self, operator: Operator, plan: Plan, args: dict[str, Any]) -> None:
         fn = self._compute.get(operator.name)
@@ -85,6 +112,12 @@ class TorchBackend:
         if a is None:
             return None
         return self.torch.from_numpy(np.array(a, dtype=np.float32, order="C")).to(self.device)
+
+    def _w(self, a: np.ndarray | None) -> Any:
+        """Like `_t`, in acc_dtype: the forward norms and their backwards run wholly in it."""
+        if a is None:
+            return None
+        return self.torch.from_numpy(np.array(a, dtype=np.float64, order="C")).to(self.device, self.acc_dtype)
 
     def _store(self, out: np.ndarray | None, value: Any) -> None:
         """Casts to the output's dtype (round to nearest even) and writes the result array."""
@@ -214,3 +247,138 @@ class TorchBackend:
         sum_dy = self._t(a["sumDy"]).reshape(bshape) / total
         sum_dy_xmu = self._t(a["sumDyXmu"]).reshape(bshape) / total
         self._store(a["gradInput"], (g - sum_dy - (xt - mean) * invstd * invstd * sum_dy_xmu) * invstd * w)
+
+    def _layer_norm(self, a: dict[str, Any], plan: Plan) -> None:
+        x, norm = a["input"], [int(d) for d in a["normalizedShape"]]
+        lead = x.shape[: x.ndim - len(norm)]
+        m, n = math.prod(lead), math.prod(norm)
+        mean_out, rstd_out = a["meanOutOptional"], a["rstdOutOptional"]
+        if m == 0:
+            return
+        if n == 0:  # CANN: mean 0, rstd NaN
+            if mean_out is not None:
+                mean_out[...] = 0
+            if rstd_out is not None:
+                rstd_out[...] = np.nan
+            return
+        w, b = self._w(a["weightOptional"]), self._w(a["biasOptional"])
+        y, mean, rstd = self.torch.ops.aten.native_layer_norm(
+            self._w(x).reshape(m, n),
+            [n],
+            None if w is None else w.reshape(n),
+            None if b is None else b.reshape(n),
+            float(a["eps"]),
+        )
+        self._store(a["out"], y)
+        self._store(mean_out, mean)
+        self._store(rstd_out, rstd)
+
+    def _rms_norm(self, a: dict[str, Any], plan: Plan) -> None:
+        x, gamma = a["x"], a["gamma"]
+        n = gamma.size
+        m = x.size // n
+        if m == 0:
+            return
+        xt = self._w(x).reshape(m, n)
+        rstd = (xt.square().mean(1, keepdim=True) + float(a["epsilon"])).rsqrt()
+        self._store(a["yOut"], xt * rstd * self._w(gamma).reshape(1, n))
+        self._store(a["rstdOut"], rstd)
+
+    def _rms_norm_grad(self, a: dict[str, Any], plan: Plan) -> None:
+        x, gamma, dgamma = a["x"], a["gamma"], a["dgammaOut"]
+        n = gamma.size
+        m = x.size // n
+        if m == 0:
+            dgamma[...] = 0
+            return
+        rstd = self._w(a["rstd"]).reshape(m, 1)
+        dy, xhat = self._w(a["dy"]).reshape(m, n), self._w(x).reshape(m, n) * rstd
+        dyg = dy * self._w(gamma).reshape(1, n)
+        self._store(a["dxOut"], rstd * (dyg - xhat * (dyg * xhat).mean(1, keepdim=True)))
+        self._store(dgamma, (dy * xhat).sum(0))
+
+    def _group_norm(self, a: dict[str, Any], plan: Plan) -> None:
+        x = a["self"]
+        if x.size == 0:  # CANN: mean 0, rstd NaN
+            a["meanOut"][...] = 0
+            a["rstdOut"][...] = np.nan
+            return
+        n, c, hxw, group = (int(a[k]) for k in ("N", "C", "HxW", "group"))
+        y, mean, rstd = self.torch.ops.aten.native_group_norm(
+            self._w(x).reshape(n, c, hxw), self._w(a["gamma"]), self._w(a["beta"]), n, c, hxw, group, float(a["eps"])
+        )
+        self._store(a["out"], y)
+        self._store(a["meanOut"], mean)
+        self._store(a["rstdOut"], rstd)
+
+    def _group_norm_backward(self, a: dict[str, Any], plan: Plan) -> None:
+        n, c, hxw, group = (int(a[k]) for k in ("N", "C", "HxW", "group"))
+        dx, dgamma, dbeta = a["gradInput"], a["gradGammaOut"], a["gradBetaOut"]
+        if n * c * hxw == 0:  # no elements: the parameter gradients are empty sums
+            for out in (dgamma, dbeta):
+                if out is not None:
+                    out[...] = 0
+            return
+        gamma = self._w(a["gamma"])  # aten's kernel needs a weight tensor: ones when it is null
+        gamma = self.torch.ones(c, dtype=self.acc_dtype, device=self.device) if gamma is None else gamma.reshape(c)
+        gi, gg, gb = self.torch.ops.aten.native_group_norm_backward(
+            self._w(a["gradOut"]).reshape(n, c, hxw),
+            self._w(a["input"]).reshape(n, c, hxw),
+            self._w(a["mean"]).reshape(n, group),
+            self._w(a["rstd"]).reshape(n, group),
+            gamma,
+            n,
+            c,
+            hxw,
+            group,
+            [dx is not None, dgamma is not None, dbeta is not None],
+        )
+        self._store(dx, gi)
+        self._store(dgamma, gg)
+        self._store(dbeta, gb)
+
+    def _batch_norm_stats(self, a: dict[str, Any], plan: Plan) -> None:
+        x = a["input"]
+        if x.size == 0:  # CANN: mean 0, invstd NaN
+            a["mean"][...] = 0
+            a["invstd"][...] = np.nan
+            return
+        xt = self._w(x).movedim(1, 0).reshape(x.shape[1], -1)  # channel dim 1, whatever the format tag
+        mean = xt.mean(1, keepdim=True)
+        self._store(a["mean"], mean)
+        self._store(a["invstd"], ((xt - mean).square().mean(1) + float(a["eps"])).rsqrt())
+
+    def _batch_norm_gather_stats(self, a: dict[str, Any], plan: Plan) -> None:
+        if a["mean"].size == 0:  # no device statistics: meanAll 0, invstdAll NaN, running stats untouched
+            a["meanAll"][...] = 0
+            a["invstdAll"][...] = np.nan
+            return
+        eps, momentum = float(a["eps"]), float(a["momentum"])
+        mean, invstd = self._w(a["mean"]), self._w(a["invstd"])
+        counts = self._w(a["counts"]).reshape(-1, 1)
+        n = counts.sum()
+        mean_all = (counts * mean).sum(0) / n
+        var = (counts * (invstd.square().reciprocal() - eps + (mean - mean_all).square())).sum(0) / n
+        self._store(a["meanAll"], mean_all)
+        self._store(a["invstdAll"], (var + eps).rsqrt())
+        for name, value in (("runningMean", mean_all), ("runningVar", var * n / (n - 1))):  # unbiased variance
+            if a[name] is not None:  # in place: the array holds the current values
+                self._store(a[name], (1 - momentum) * self._w(a[name]) + momentum * value)
+
+    def _batch_norm_elemt(self, a: dict[str, Any], plan: Plan) -> None:
+        x = a["input"]
+        if x.size == 0:
+            return
+        bshape = (1, x.shape[1]) + (1,) * (x.ndim - 2)
+
+        def per_channel(name: str) -> Any:
+            t = self._w(a[name])
+            return None if t is None else t.reshape(bshape)
+
+        w, b = per_channel("weight"), per_channel("bias")
+        y = (self._w(x) - per_channel("mean")) * per_channel("invstd")  # invstd is the factor; eps unused
+        if w is not None:
+            y = y * w
+        if b is not None:
+            y = y + b
+        self._store(a["output"], y)

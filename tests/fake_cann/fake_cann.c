@@ -14,8 +14,10 @@
  *     back before synchronizing reads stale memory, as it would on the device;
  *   - executors are single-use unless aclSetAclOpExecutorRepeatable was called (then they
  *     live until aclDestroyAclOpExecutor); a launch checks the workspace it is given;
- *   - aclnnLayerNormBackward, aclnnBatchNormBackward and aclnnBatchNormElemtBackward are
- *     computed in C (FLOAT, FLOAT16 via _Float16, BF16 by bit conversion; any strides);
+ *   - aclnnLayerNormBackward, aclnnBatchNormBackward, aclnnBatchNormElemtBackward, aclnnLayerNorm,
+ *     aclnnRmsNorm, aclnnRmsNormGrad, aclnnGroupNorm, aclnnGroupNormBackward, aclnnBatchNormStats,
+ *     aclnnBatchNormGatherStatsWithCounts and aclnnBatchNormElemt are computed in C
+ *     in double (FLOAT, FLOAT16 via _Float16, BF16 by bit conversion; any strides);
  *     other dtypes get ACLNN_ERR_INNER_FIND_KERNEL_ERROR (561003).
  *
  * Test hooks (not CANN API, prefixed fake_): counters of created / destroyed objects,
@@ -67,7 +69,7 @@ static const char *kind_names[K_N] = {"tensor", "intArray", "boolArray", "execut
                                       "context", "alloc", "device", "init"};
 static long created[K_N], destroyed[K_N];
 
-#define MAX_FUNCS 64
+#define MAX_FUNCS 128
 static struct { const char *name; long calls; int fail_code; int fail_pending; } funcs[MAX_FUNCS];
 static int nfuncs;
 static long misuse_count;
@@ -184,8 +186,11 @@ typedef struct aclTensor {
 typedef struct aclIntArray { int64_t *v; uint64_t n; } aclIntArray;
 typedef struct aclBoolArray { bool *v; uint64_t n; } aclBoolArray;
 
-enum { OP_LN, OP_BN, OP_ELEMT };
-static const char *op_names[] = {"aclnnLayerNormBackward", "aclnnBatchNormBackward", "aclnnBatchNormElemtBackward"};
+enum { OP_LN, OP_BN, OP_ELEMT, OP_LNF, OP_RMS, OP_RMS_GRAD, OP_GN, OP_GN_BWD, OP_BNS, OP_BNG, OP_BNE };
+static const char *op_names[] = {"aclnnLayerNormBackward", "aclnnBatchNormBackward", "aclnnBatchNormElemtBackward",
+                                 "aclnnLayerNorm",         "aclnnRmsNorm",           "aclnnRmsNormGrad",
+                                 "aclnnGroupNorm",         "aclnnGroupNormBackward", "aclnnBatchNormStats",
+                                 "aclnnBatchNormGatherStatsWithCounts", "aclnnBatchNormElemt"};
 #define MAX_T 12
 
 typedef struct aclOpExecutor {
@@ -196,7 +201,7 @@ typedef struct aclOpExecutor {
     uint64_t nints;
     bool mask[3];
     bool training;
-    double eps;
+    double eps, momentum;
     uint64_t workspace;
     bool repeatable, launched, destroy_when_idle;
     int pending;
@@ -664,7 +669,15 @@ static bool tensor_on_device(const aclTensor *t) {
 enum { LN_G, LN_X, LN_MEAN, LN_RSTD, LN_W, LN_B, LN_DX, LN_DW, LN_DB };
 enum { BN_G, BN_X, BN_W, BN_RM, BN_RV, BN_SM, BN_SI, BN_DX, BN_DW, BN_DB };
 enum { EL_G, EL_X, EL_MEAN, EL_INVSTD, EL_W, EL_SDY, EL_SDYXMU, EL_COUNTER, EL_DX };
-static const int n_slots[] = {9, 10, 9};
+enum { LNF_X, LNF_W, LNF_B, LNF_Y, LNF_MEAN, LNF_RSTD };
+enum { RMS_X, RMS_GAMMA, RMS_Y, RMS_RSTD };
+enum { RG_DY, RG_X, RG_RSTD, RG_GAMMA, RG_DX, RG_DGAMMA };
+enum { GN_X, GN_GAMMA, GN_BETA, GN_Y, GN_MEAN, GN_RSTD };
+enum { GB_G, GB_X, GB_MEAN, GB_RSTD, GB_GAMMA, GB_DX, GB_DGAMMA, GB_DBETA };
+enum { BNS_X, BNS_MEAN, BNS_INVSTD };
+enum { BNG_X, BNG_MEAN, BNG_INVSTD, BNG_RM, BNG_RV, BNG_COUNTS, BNG_MEAN_ALL, BNG_INVSTD_ALL };
+enum { BNE_X, BNE_W, BNE_B, BNE_MEAN, BNE_INVSTD, BNE_Y };
+static const int n_slots[] = {9, 10, 9, 6, 4, 6, 6, 8, 3, 8, 6};
 
 #define T(k) (ex->has[k] ? &ex->t[k] : NULL)
 
@@ -769,7 +782,189 @@ static void elemt_kernel(aclOpExecutor *ex, double *ws) {
     }
 }
 
+/* aclnnLayerNorm: ints = normalizedShape; rows of n elements, two-pass statistics */
+static void lnf_kernel(aclOpExecutor *ex) {
+    const aclTensor *x = T(LNF_X), *w = T(LNF_W), *b = T(LNF_B), *y = T(LNF_Y), *mean = T(LNF_MEAN), *rstd = T(LNF_RSTD);
+    int64_t n = 1, m = 1;
+    for (uint64_t i = 0; i < ex->nints; i++) n *= ex->ints[i];
+    for (uint64_t d = 0; d + ex->nints < x->ndim; d++) m *= x->dims[d];
+    for (int64_t r = 0; r < m; r++) {
+        if (n == 0) { /* CANN: mean 0, rstd NaN */
+            if (mean) wr(mean, r, 0.0);
+            if (rstd) wr(rstd, r, NAN);
+            continue;
+        }
+        double mu = 0, var = 0;
+        for (int64_t j = 0; j < n; j++) mu += rd(x, r * n + j);
+        mu /= n;
+        for (int64_t j = 0; j < n; j++) { double u = rd(x, r * n + j) - mu; var += u * u; }
+        double rs = 1.0 / sqrt(var / n + ex->eps);
+        for (int64_t j = 0; j < n; j++)
+            wr(y, r * n + j, (rd(x, r * n + j) - mu) * rs * (w ? rd(w, j) : 1.0) + (b ? rd(b, j) : 0.0));
+        if (mean) wr(mean, r, mu);
+        if (rstd) wr(rstd, r, rs);
+    }
+}
+
+/* aclnnRmsNorm: rows of numel(gamma) elements */
+static void rms_kernel(aclOpExecutor *ex) {
+    const aclTensor *x = T(RMS_X), *gamma = T(RMS_GAMMA), *y = T(RMS_Y), *rstd = T(RMS_RSTD);
+    int64_t n = numel(gamma), m = n ? numel(x) / n : 0;
+    for (int64_t r = 0; r < m; r++) {
+        double sq = 0;
+        for (int64_t j = 0; j < n; j++) { double v = rd(x, r * n + j); sq += v * v; }
+        double rs = 1.0 / sqrt(sq / n + ex->eps);
+        for (int64_t j = 0; j < n; j++) wr(y, r * n + j, rd(x, r * n + j) * rs * rd(gamma, j));
+        wr(rstd, r, rs);
+    }
+}
+
+/* aclnnRmsNormGrad: dgamma's column sums in the workspace (n doubles) */
+static void rms_grad_kernel(aclOpExecutor *ex, double *ws) {
+    const aclTensor *dy = T(RG_DY), *x = T(RG_X), *rstd = T(RG_RSTD), *gamma = T(RG_GAMMA), *dx = T(RG_DX),
+                    *dgamma = T(RG_DGAMMA);
+    int64_t n = numel(gamma), m = n ? numel(x) / n : 0;
+    for (int64_t j = 0; j < n; j++) ws[j] = 0;
+    for (int64_t r = 0; r < m; r++) {
+        double rs = rd(rstd, r), s = 0;
+        for (int64_t j = 0; j < n; j++) {
+            double g = rd(dy, r * n + j), xh = rd(x, r * n + j) * rs;
+            s += g * rd(gamma, j) * xh;
+            ws[j] += g * xh;
+        }
+        for (int64_t j = 0; j < n; j++)
+            wr(dx, r * n + j, rs * (rd(dy, r * n + j) * rd(gamma, j) - rd(x, r * n + j) * rs * s / n));
+    }
+    for (int64_t j = 0; j < n; j++) wr(dgamma, j, ws[j]);
+}
+
+/* aclnnGroupNorm: ints = N, C, HxW, group; self read flat as [N, group, C/group * HxW] */
+static void gn_kernel(aclOpExecutor *ex) {
+    const aclTensor *x = T(GN_X), *gamma = T(GN_GAMMA), *beta = T(GN_BETA), *y = T(GN_Y), *mean = T(GN_MEAN),
+                    *rstd = T(GN_RSTD);
+    int64_t c_n = ex->ints[1], hxw = ex->ints[2], groups = ex->ints[3];
+    if (numel(x) == 0) { /* CANN: mean 0, rstd NaN */
+        for (int64_t i = 0, k = numel(mean); i < k; i++) { wr(mean, i, 0.0); wr(rstd, i, NAN); }
+        return;
+    }
+    int64_t d = c_n / groups * hxw, stats = numel(mean);
+    for (int64_t k = 0; k < stats; k++) { /* k = sample * group + g; its elements are contiguous in flat order */
+        double mu = 0, var = 0;
+        for (int64_t j = 0; j < d; j++) mu += rd(x, k * d + j);
+        mu /= d;
+        for (int64_t j = 0; j < d; j++) { double u = rd(x, k * d + j) - mu; var += u * u; }
+        double rs = 1.0 / sqrt(var / d + ex->eps);
+        for (int64_t j = 0; j < d; j++) {
+            int64_t c = (k % groups) * (c_n / groups) + j / hxw;
+            wr(y, k * d + j, (rd(x, k * d + j) - mu) * rs * (gamma ? rd(gamma, c) : 1.0) + (beta ? rd(beta, c) : 0.0));
+        }
+        wr(mean, k, mu);
+        wr(rstd, k, rs);
+    }
+}
+
+/* aclnnGroupNormBackward: per-channel sums of gradOut and gradOut * x-hat in the workspace (2 C doubles) */
+static void gn_bwd_kernel(aclOpExecutor *ex, double *ws) {
+    const aclTensor *g = T(GB_G), *x = T(GB_X), *mean = T(GB_MEAN), *rstd = T(GB_RSTD), *gamma = T(GB_GAMMA);
+    const aclTensor *dx = ex->mask[0] ? T(GB_DX) : NULL, *dgamma = ex->mask[1] ? T(GB_DGAMMA) : NULL,
+                    *dbeta = ex->mask[2] ? T(GB_DBETA) : NULL;
+    int64_t n_n = ex->ints[0], c_n = ex->ints[1], hxw = ex->ints[2], groups = ex->ints[3];
+    double *sum_g = ws, *sum_gx = ws ? ws + c_n : NULL;
+    if (ws)
+        for (int64_t c = 0; c < 2 * c_n; c++) ws[c] = 0;
+    int64_t d = n_n > 0 && c_n > 0 && hxw > 0 ? c_n / groups * hxw : 0;
+    for (int64_t k = 0; d && k < n_n * groups; k++) {
+        double mu = rd(mean, k), rs = rd(rstd, k), s1 = 0, s2 = 0;
+        for (int64_t j = 0; j < d; j++) {
+            int64_t c = (k % groups) * (c_n / groups) + j / hxw;
+            double gv = rd(g, k * d + j), xh = (rd(x, k * d + j) - mu) * rs, gw = gv * (gamma ? rd(gamma, c) : 1.0);
+            s1 += gw;
+            s2 += gw * xh;
+            sum_g[c] += gv;
+            sum_gx[c] += gv * xh;
+        }
+        if (dx)
+            for (int64_t j = 0; j < d; j++) {
+                int64_t c = (k % groups) * (c_n / groups) + j / hxw;
+                double gv = rd(g, k * d + j), xh = (rd(x, k * d + j) - mu) * rs, gw = gv * (gamma ? rd(gamma, c) : 1.0);
+                wr(dx, k * d + j, rs * (gw - s1 / d - xh * s2 / d));
+            }
+    }
+    for (int64_t c = 0; c < c_n; c++) {
+        if (dgamma) wr(dgamma, c, ws ? sum_gx[c] : 0.0);
+        if (dbeta) wr(dbeta, c, ws ? sum_g[c] : 0.0);
+    }
+}
+
+/* dims of x as [L, C, T] with the channel on dim 1 */
+static void channel_split(const aclTensor *x, int64_t *l_n, int64_t *c_n, int64_t *t_n) {
+    *l_n = x->dims[0];
+    *c_n = x->dims[1];
+    *t_n = 1;
+    for (uint64_t d = 2; d < x->ndim; d++) *t_n *= x->dims[d];
+}
+
+/* aclnnBatchNormStats: per-channel mean and 1/sqrt(population variance + eps), two passes */
+static void bns_kernel(aclOpExecutor *ex) {
+    const aclTensor *x = T(BNS_X), *mean = T(BNS_MEAN), *invstd = T(BNS_INVSTD);
+    int64_t l_n, c_n, t_n;
+    channel_split(x, &l_n, &c_n, &t_n);
+    double n = (double)(l_n * t_n);
+    for (int64_t c = 0; c < c_n; c++) {
+        if (n == 0) { wr(mean, c, 0.0); wr(invstd, c, NAN); continue; } /* CANN: mean 0, invstd NaN */
+        double mu = 0, var = 0;
+        for (int64_t l = 0; l < l_n; l++)
+            for (int64_t t = 0; t < t_n; t++) mu += rd(x, (l * c_n + c) * t_n + t);
+        mu /= n;
+        for (int64_t l = 0; l < l_n; l++)
+            for (int64_t t = 0; t < t_n; t++) { double u = rd(x, (l * c_n + c) * t_n + t) - mu; var += u * u; }
+        wr(mean, c, mu);
+        wr(invstd, c, 1.0 / sqrt(var / n + ex->eps));
+    }
+}
+
+/* aclnnBatchNormGatherStatsWithCounts: [devices, C] statistics to global ones; running stats in place */
+static void bng_kernel(aclOpExecutor *ex) {
+    const aclTensor *mean = T(BNG_MEAN), *invstd = T(BNG_INVSTD), *rm = T(BNG_RM), *rv = T(BNG_RV),
+                    *counts = T(BNG_COUNTS), *mean_all = T(BNG_MEAN_ALL), *invstd_all = T(BNG_INVSTD_ALL);
+    int64_t c_n = numel(mean_all), d_n = numel(mean) ? mean->dims[0] : 0;
+    for (int64_t c = 0; c < c_n; c++) {
+        if (d_n == 0) { wr(mean_all, c, 0.0); wr(invstd_all, c, NAN); continue; }
+        double n = 0, ma = 0, var = 0;
+        for (int64_t d = 0; d < d_n; d++) { n += rd(counts, d); ma += rd(counts, d) * rd(mean, d * c_n + c); }
+        ma /= n;
+        for (int64_t d = 0; d < d_n; d++) {
+            double s = rd(invstd, d * c_n + c), dm = rd(mean, d * c_n + c) - ma;
+            var += rd(counts, d) * (1.0 / (s * s) - ex->eps + dm * dm);
+        }
+        var /= n;
+        wr(mean_all, c, ma);
+        wr(invstd_all, c, 1.0 / sqrt(var + ex->eps));
+        if (rm) wr(rm, c, (1 - ex->momentum) * rd(rm, c) + ex->momentum * ma);
+        if (rv) wr(rv, c, (1 - ex->momentum) * rd(rv, c) + ex->momentum * var * n / (n - 1));
+    }
+}
+
+/* aclnnBatchNormElemt: (x - mean) * invstd * weight + bias per channel (dim 1) */
+static void bne_kernel(aclOpExecutor *ex) {
+    const aclTensor *x = T(BNE_X), *w = T(BNE_W), *b = T(BNE_B), *mean = T(BNE_MEAN), *invstd = T(BNE_INVSTD),
+                    *y = T(BNE_Y);
+    int64_t l_n, c_n, t_n;
+    channel_split(x, &l_n, &c_n, &t_n);
+    for (int64_t c = 0; c < c_n; c++) {
+        double mu = rd(mean, c), s = rd(invstd, c) * (w ? rd(w, c) : 1.0), bc = b ? rd(b, c) : 0.0;
+        for (int64_t l = 0; l < l_n; l++)
+            for (int64_t t = 0; t < t_n; t++) {
+                int64_t i = (l * c_n + c) * t_n + t;
+                wr(y, i, (rd(x, i) - mu) * s + bc);
+            }
+    }
+}
+
 static uint64_t required_workspace(const aclOpExecutor *ex) {
+    if (ex->op == OP_LNF || ex->op == OP_RMS || ex->op == OP_GN || ex->op >= OP_BNS) return 0;
+    if (ex->op == OP_RMS_GRAD) return (uint64_t)(numel(&ex->t[RG_GAMMA]) * sizeof(double));
+    if (ex->op == OP_GN_BWD) return ex->ints[1] > 0 ? (uint64_t)(2 * ex->ints[1] * sizeof(double)) : 0;
     if (ex->op == OP_LN) {
         int64_t n = 1;
         for (uint64_t i = 0; i < ex->nints; i++) n *= ex->ints[i];
@@ -797,6 +992,14 @@ static aclnnStatus run_kernel(aclOpExecutor *ex, void *ws) {
     case OP_LN: ln_kernel(ex, ws); break;
     case OP_BN: bn_kernel(ex, ws); break;
     case OP_ELEMT: elemt_kernel(ex, ws); break;
+    case OP_LNF: lnf_kernel(ex); break;
+    case OP_RMS: rms_kernel(ex); break;
+    case OP_RMS_GRAD: rms_grad_kernel(ex, ws); break;
+    case OP_GN: gn_kernel(ex); break;
+    case OP_GN_BWD: gn_bwd_kernel(ex, ws); break;
+    case OP_BNS: bns_kernel(ex); break;
+    case OP_BNG: bng_kernel(ex); break;
+    case OP_BNE: bne_kernel(ex); break;
     }
     return ACLNN_SUCCESS;
 }
@@ -940,6 +1143,139 @@ EXPORT aclnnStatus aclnnBatchNormElemtBackward(void *workspace, uint64_t workspa
     pthread_mutex_unlock(&mu);
     return rc;
 }
+
+#define LAUNCH_ENTRY(fn, op)                                                                                  \
+    EXPORT aclnnStatus fn(void *workspace, uint64_t workspaceSize, aclOpExecutor *executor, aclrtStream stream) { \
+        pthread_mutex_lock(&mu);                                                                                  \
+        aclnnStatus rc = launch(op, workspace, workspaceSize, executor, stream);                                  \
+        pthread_mutex_unlock(&mu);                                                                                \
+        return rc;                                                                                                \
+    }
+
+EXPORT aclnnStatus aclnnLayerNormGetWorkspaceSize(const aclTensor *input, const aclIntArray *normalizedShape,
+                                                  const aclTensor *weightOptional, const aclTensor *biasOptional,
+                                                  double eps, aclTensor *out, aclTensor *meanOutOptional,
+                                                  aclTensor *rstdOutOptional, uint64_t *workspaceSize,
+                                                  aclOpExecutor **executor) {
+    const aclTensor *ts[] = {input, weightOptional, biasOptional, out, meanOutOptional, rstdOutOptional};
+    int required[] = {1, 0, 0, 1, 0, 0};
+    pthread_mutex_lock(&mu);
+    aclnnStatus rc;
+    if (!normalizedShape) { enter("aclnnLayerNormGetWorkspaceSize"); rc = ACLNN_ERR_PARAM_NULLPTR; }
+    else rc = make_executor(OP_LNF, ts, required, normalizedShape, NULL, false, eps, workspaceSize, executor);
+    pthread_mutex_unlock(&mu);
+    return rc;
+}
+LAUNCH_ENTRY(aclnnLayerNorm, OP_LNF)
+
+EXPORT aclnnStatus aclnnRmsNormGetWorkspaceSize(const aclTensor *x, const aclTensor *gamma, double epsilon,
+                                                const aclTensor *yOut, const aclTensor *rstdOut,
+                                                uint64_t *workspaceSize, aclOpExecutor **executor) {
+    const aclTensor *ts[] = {x, gamma, yOut, rstdOut};
+    int required[] = {1, 1, 1, 1};
+    pthread_mutex_lock(&mu);
+    aclnnStatus rc = make_executor(OP_RMS, ts, required, NULL, NULL, false, epsilon, workspaceSize, executor);
+    pthread_mutex_unlock(&mu);
+    return rc;
+}
+LAUNCH_ENTRY(aclnnRmsNorm, OP_RMS)
+
+EXPORT aclnnStatus aclnnRmsNormGradGetWorkspaceSize(const aclTensor *dy, const aclTensor *x, const aclTensor *rstd,
+                                                    const aclTensor *gamma, const aclTensor *dxOut,
+                                                    const aclTensor *dgammaOut, uint64_t *workspaceSize,
+                                                    aclOpExecutor **executor) {
+    const aclTensor *ts[] = {dy, x, rstd, gamma, dxOut, dgammaOut};
+    int required[] = {1, 1, 1, 1, 1, 1};
+    pthread_mutex_lock(&mu);
+    aclnnStatus rc = make_executor(OP_RMS_GRAD, ts, required, NULL, NULL, false, 0, workspaceSize, executor);
+    pthread_mutex_unlock(&mu);
+    return rc;
+}
+LAUNCH_ENTRY(aclnnRmsNormGrad, OP_RMS_GRAD)
+
+EXPORT aclnnStatus aclnnGroupNormGetWorkspaceSize(const aclTensor *self, const aclTensor *gamma, const aclTensor *beta,
+                                                  int64_t N, int64_t C, int64_t HxW, int64_t group, double eps,
+                                                  aclTensor *out, aclTensor *meanOut, aclTensor *rstdOut,
+                                                  uint64_t *workspaceSize, aclOpExecutor **executor) {
+    const aclTensor *ts[] = {self, gamma, beta, out, meanOut, rstdOut};
+    int required[] = {1, 0, 0, 1, 1, 1};
+    int64_t sizes[] = {N, C, HxW, group};
+    aclIntArray ints = {sizes, 4};
+    pthread_mutex_lock(&mu);
+    aclnnStatus rc;
+    if (group <= 0 || C % group) {
+        enter("aclnnGroupNormGetWorkspaceSize");
+        set_err("EZ1001: aclnnGroupNormGetWorkspaceSize: group %ld does not divide C %ld", (long)group, (long)C);
+        rc = ACLNN_ERR_PARAM_INVALID;
+    } else rc = make_executor(OP_GN, ts, required, &ints, NULL, false, eps, workspaceSize, executor);
+    pthread_mutex_unlock(&mu);
+    return rc;
+}
+LAUNCH_ENTRY(aclnnGroupNorm, OP_GN)
+
+EXPORT aclnnStatus aclnnGroupNormBackwardGetWorkspaceSize(
+    const aclTensor *gradOut, const aclTensor *input, const aclTensor *mean, const aclTensor *rstd,
+    const aclTensor *gamma, int64_t N, int64_t C, int64_t HxW, int64_t group, const aclBoolArray *outputMask,
+    aclTensor *gradInput, aclTensor *gradGammaOut, aclTensor *gradBetaOut, uint64_t *workspaceSize,
+    aclOpExecutor **executor) {
+    const aclTensor *ts[] = {gradOut, input, mean, rstd, gamma, gradInput, gradGammaOut, gradBetaOut};
+    int required[] = {1, 1, 1, 1, 0, 0, 0, 0};
+    int64_t sizes[] = {N, C, HxW, group};
+    aclIntArray ints = {sizes, 4};
+    pthread_mutex_lock(&mu);
+    aclnnStatus rc;
+    if (!outputMask) { enter("aclnnGroupNormBackwardGetWorkspaceSize"); rc = ACLNN_ERR_PARAM_NULLPTR; }
+    else if (group <= 0 || C % group) {
+        enter("aclnnGroupNormBackwardGetWorkspaceSize");
+        set_err("EZ1001: aclnnGroupNormBackwardGetWorkspaceSize: group %ld does not divide C %ld", (long)group, (long)C);
+        rc = ACLNN_ERR_PARAM_INVALID;
+    } else {
+        for (int i = 0; i < 3 && outputMask->n == 3; i++) required[5 + i] = outputMask->v[i];
+        rc = make_executor(OP_GN_BWD, ts, required, &ints, outputMask, false, 0, workspaceSize, executor);
+    }
+    pthread_mutex_unlock(&mu);
+    return rc;
+}
+LAUNCH_ENTRY(aclnnGroupNormBackward, OP_GN_BWD)
+
+EXPORT aclnnStatus aclnnBatchNormStatsGetWorkspaceSize(const aclTensor *input, double eps, aclTensor *mean,
+                                                       aclTensor *invstd, uint64_t *workspaceSize,
+                                                       aclOpExecutor **executor) {
+    const aclTensor *ts[] = {input, mean, invstd};
+    int required[] = {1, 1, 1};
+    pthread_mutex_lock(&mu);
+    aclnnStatus rc = make_executor(OP_BNS, ts, required, NULL, NULL, false, eps, workspaceSize, executor);
+    pthread_mutex_unlock(&mu);
+    return rc;
+}
+LAUNCH_ENTRY(aclnnBatchNormStats, OP_BNS)
+
+EXPORT aclnnStatus aclnnBatchNormGatherStatsWithCountsGetWorkspaceSize(
+    const aclTensor *input, const aclTensor *mean, const aclTensor *invstd, aclTensor *runningMean,
+    aclTensor *runningVar, double momentum, double eps, const aclTensor *counts, aclTensor *meanAll,
+    aclTensor *invstdAll, uint64_t *workspaceSize, aclOpExecutor **executor) {
+    const aclTensor *ts[] = {input, mean, invstd, runningMean, runningVar, counts, meanAll, invstdAll};
+    int required[] = {1, 1, 1, 0, 0, 1, 1, 1};
+    pthread_mutex_lock(&mu);
+    aclnnStatus rc = make_executor(OP_BNG, ts, required, NULL, NULL, false, eps, workspaceSize, executor);
+    if (rc == ACLNN_SUCCESS) (*executor)->momentum = momentum;
+    pthread_mutex_unlock(&mu);
+    return rc;
+}
+LAUNCH_ENTRY(aclnnBatchNormGatherStatsWithCounts, OP_BNG)
+
+EXPORT aclnnStatus aclnnBatchNormElemtGetWorkspaceSize(const aclTensor *input, const aclTensor *weight,
+                                                       const aclTensor *bias, aclTensor *mean, aclTensor *invstd,
+                                                       double eps, aclTensor *output, uint64_t *workspaceSize,
+                                                       aclOpExecutor **executor) {
+    const aclTensor *ts[] = {input, weight, bias, mean, invstd, output};
+    int required[] = {1, 0, 0, 1, 1, 1};
+    pthread_mutex_lock(&mu);
+    aclnnStatus rc = make_executor(OP_BNE, ts, required, NULL, NULL, false, eps, workspaceSize, executor);
+    pthread_mutex_unlock(&mu);
+    return rc;
+}
+LAUNCH_ENTRY(aclnnBatchNormElemt, OP_BNE)
 
 /* ---------------------------------------------------------------- test hooks */
 

@@ -42,7 +42,7 @@ class AclnnApi:
     """One aclnn operator: its C name and its GetWorkspaceSize parameters, in CANN's order.
 
     Each parameter is (kind, name) with kind one of "tensor", "int_array", "bool_array",
-    "bool", "double"; `name` is the parameter's CANN name (the engine's argument key).
+    "bool", "int" (int64_t), "double"; `name` is the parameter's CANN name (the engine's argument key).
     """
 
     name: str
@@ -81,10 +81,67 @@ APIS: dict[str, AclnnApi] = {
             "aclnnBatchNormElemtBackward",
             _t("gradOut", "input", "mean", "invstd", "weight", "sumDy", "sumDyXmu", "counter", "gradInput"),
         ),
+        AclnnApi(
+            "aclnnLayerNorm",
+            (
+                *_t("input"),
+                ("int_array", "normalizedShape"),
+                *_t("weightOptional", "biasOptional"),
+                ("double", "eps"),
+                *_t("out", "meanOutOptional", "rstdOutOptional"),
+            ),
+        ),
+        AclnnApi("aclnnRmsNorm", (*_t("x", "gamma"), ("double", "epsilon"), *_t("yOut", "rstdOut"))),
+        AclnnApi("aclnnRmsNormGrad", _t("dy", "x", "rstd", "gamma", "dxOut", "dgammaOut")),
+        AclnnApi(
+            "aclnnGroupNorm",
+            (
+                *_t("self", "gamma", "beta"),
+                ("int", "N"),
+                ("int", "C"),
+                ("int", "HxW"),
+                ("int", "group"),
+                ("double", "eps"),
+                *_t("out", "meanOut", "rstdOut"),
+            ),
+        ),
+        AclnnApi(
+            "aclnnGroupNormBackward",
+            (
+                *_t("gradOut", "input", "mean", "rstd", "gamma"),
+                ("int", "N"),
+                ("int", "C"),
+                ("int", "HxW"),
+                ("int", "group"),
+                ("bool_array", "outputMask"),
+                *_t("gradInput", "gradGammaOut", "gradBetaOut"),
+            ),
+        ),
+        AclnnApi("aclnnBatchNormStats", (*_t("input"), ("double", "eps"), *_t("mean", "invstd"))),
+        AclnnApi(
+            "aclnnBatchNormGatherStatsWithCounts",
+            (
+                *_t("input", "mean", "invstd", "runningMean", "runningVar"),
+                ("double", "momentum"),
+                ("double", "eps"),
+                *_t("counts", "meanAll", "invstdAll"),
+            ),
+        ),
+        AclnnApi(
+            "aclnnBatchNormElemt",
+            (*_t("input", "weight", "bias", "mean", "invstd"), ("double", "eps"), *_t("output")),
+        ),
     )
 }
 
-_CTYPE = {"tensor": _p, "int_array": _p, "bool_array": _p, "bool": ctypes.c_bool, "double": ctypes.c_double}
+_CTYPE = {
+    "tensor": _p,
+    "int_array": _p,
+    "bool_array": _p,
+    "bool": ctypes.c_bool,
+    "int": ctypes.c_int64,
+    "double": ctypes.c_double,
+}
 
 
 def library_dirs() -> list[str]:

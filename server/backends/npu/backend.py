@@ -40,8 +40,8 @@ Memory: a caching allocator over aclrtMalloc/aclrtFree with size-class free list
 list, not to the driver. When aclrtMalloc fails the cached blocks are freed and the
 allocation retried once; close() frees everything.
 
-Operators without an aclnn API (LayerNormGrad is a graph-mode op only) run on the NumPy
-reference (their module's own compute), logged once per operator.
+Operators without an aclnn API (LayerNormGrad is a graph-mode op only), and any operator not yet
+bound in acl.APIS, run on the NumPy reference (their module's own compute), logged once per operator.
 
 Errors: aclnn statuses pass through unchanged; ACL runtime failures are 361001 with the ACL
 error code and message (see acl.py).
@@ -67,6 +67,8 @@ from ...registry import Operator, Plan
 from .acl import ACL_MEMCPY_DEVICE_TO_HOST, ACL_MEMCPY_HOST_TO_DEVICE, APIS, Acl, AclnnApi
 
 log = logging.getLogger("aclnn_server.npu")
+
+NO_ACLNN_API = frozenset({"LayerNormGrad"})  # operators CANN serves only as graph ops, never through aclnn
 
 MIN_BLOCK = 512
 SMALL_LIMIT = 1 << 20
@@ -338,7 +340,8 @@ class NpuBackend:
     def _fallback(self, operator: Operator, args: dict[str, Any]) -> None:
         if operator.name not in self._fallback_logged:
             self._fallback_logged.add(operator.name)
-            log.warning("%s has no aclnn API in CANN; the npu backend runs it on the NumPy reference", operator.name)
+            reason = "has no aclnn API in CANN" if operator.name in NO_ACLNN_API else "has no aclnn binding here yet"
+            log.warning("%s %s; the npu backend runs it on the NumPy reference", operator.name, reason)
         operator.compute(**args)
 
     def _prepare(self, api: AclnnApi, plan: Plan, args: dict[str, Any]) -> _Prepared:
@@ -395,6 +398,8 @@ class NpuBackend:
                 out.append(self._array(prepared, kind, self.acl.create_bool_array(list(values[name]))))
             elif kind == "bool":
                 out.append(bool(values[name]))
+            elif kind == "int":
+                out.append(int(values[name]))
             else:
                 out.append(float(values[name]))
         return out
@@ -405,6 +410,8 @@ class NpuBackend:
         return handle
 
     def _create_tensor(self, prepared: _Prepared, plan: Plan, name: str, data: bool) -> int | None:
+        if name in plan.inputs and name in plan.outputs:  # in/out (running statistics): the result array both ways
+            return self._create_inout_tensor(prepared, plan, name, data)
         if name in plan.inputs:
             desc, layout, role = plan.inputs[name], input_layout(plan.inputs[name]), prepared.inputs
         elif name in plan.outputs:
@@ -416,6 +423,22 @@ class NpuBackend:
             ptr = self.allocator.alloc(layout.nbytes)
             prepared.blocks.append(ptr)
             role.append((name, ptr, layout.nbytes))
+        handle = self.acl.create_tensor(
+            layout.shape, desc.data_type, layout.strides, 0, desc.format, layout.storage_dims, ptr
+        )
+        prepared.tensors.append(handle)
+        return handle
+
+    def _create_inout_tensor(self, prepared: _Prepared, plan: Plan, name: str, data: bool) -> int:
+        """The engine's result array holds the current values: uploaded, updated in place, copied back."""
+        desc = plan.outputs[name]
+        layout = output_layout(desc)
+        ptr = None
+        if data and layout.nbytes:
+            ptr = self.allocator.alloc(layout.nbytes)
+            prepared.blocks.append(ptr)
+            prepared.inputs.append((name, ptr, layout.nbytes))
+            prepared.outputs.append((name, ptr, layout.nbytes))
         handle = self.acl.create_tensor(
             layout.shape, desc.data_type, layout.strides, 0, desc.format, layout.storage_dims, ptr
         )
