@@ -1,16 +1,21 @@
 """PyTorch integration: normalization layers whose backward runs on an aclnn-serve server.
 
-`layer_norm` and `batch_norm` take `torch.nn.functional`'s arguments plus a `client` (a `Client`
-or a `LocalClient`). The forward runs here, in aten's own kernels, keeping the statistics they
-save (mean/rstd, save_mean/save_invstd); the backward sends those to aclnnLayerNormBackward /
-aclnnBatchNormBackward, asking only for the gradients autograd needs. `offload_norms(model,
-client)` makes every nn.LayerNorm and nn.BatchNorm1d/2d/3d of a model do that, in place.
+`layer_norm`, `batch_norm`, `rms_norm` and `group_norm` take `torch.nn.functional`'s arguments plus
+a `client` (a `Client` or a `LocalClient`). The forward runs here, in aten's own kernels, keeping the
+statistics they save (mean/rstd, save_mean/save_invstd); the backward sends those to
+aclnnLayerNormBackward / aclnnBatchNormBackward / aclnnRmsNormGrad / aclnnGroupNormBackward, asking
+only for the gradients autograd needs. `offload_norms(model, client)` makes every nn.LayerNorm,
+nn.BatchNorm1d/2d/3d, nn.RMSNorm and nn.GroupNorm of a model do that, in place.
 
-Both directions are `torch.library` custom ops (`aclnn::layer_norm`, `aclnn::batch_norm` with
-`register_autograd`, and the remote `aclnn::layer_norm_backward`, `aclnn::batch_norm_backward`),
+Both directions are `torch.library` custom ops (`aclnn::layer_norm` etc. with `register_autograd`,
+and the remote `aclnn::layer_norm_backward` etc.),
 so `torch.compile` traces an offloaded model without graph breaks and keeps each remote call as
 one opaque node. An op's arguments can only be tensors and plain values, so the client travels
 as an int: its id in a registry of live clients.
+
+`SyncBatchNorm` (what `offload_norms` makes of an nn.SyncBatchNorm) runs SyncBatchNorm's statistics,
+normalization and backward on the service and only its cross-process reductions here, through
+torch.distributed: gloo on CPU processes works, which nn.SyncBatchNorm refuses.
 
 This module imports torch; `import aclnn_client` does not.
 """
@@ -25,12 +30,13 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from .api import BaseClient
 from .errors import invalid_error
 
-__all__ = ["batch_norm", "layer_norm", "offload_norms", "restore_norms"]
+__all__ = ["SyncBatchNorm", "batch_norm", "group_norm", "layer_norm", "offload_norms", "restore_norms", "rms_norm"]
 
 # ---------------------------------------------------------------------- clients as op arguments
 
@@ -394,6 +400,362 @@ def _batch_norm(
     return out
 
 
+# ---------------------------------------------------------------------- RMSNorm
+
+
+@torch.library.custom_op("aclnn::rms_norm", mutates_args=())
+def _rms_norm_op(
+    input: Tensor, normalized_shape: list[int], weight: Tensor | None, eps: float | None, client: int
+) -> tuple[Tensor, Tensor]:
+    """aten's _fused_rms_norm: (output, rstd), rstd in FLOAT with the normalized dims kept as 1, as
+    aclnnRmsNormGrad takes it; `client` is for the backward."""
+    return torch.ops.aten._fused_rms_norm(input, normalized_shape, weight, eps)
+
+
+@_rms_norm_op.register_fake
+def _rms_norm_fake(input, normalized_shape, weight, eps, client):
+    return torch.ops.aten._fused_rms_norm(input, normalized_shape, weight, eps)
+
+
+@torch.library.custom_op("aclnn::rms_norm_backward", mutates_args=())
+def _rms_norm_backward_op(
+    grad_out: Tensor,
+    input: Tensor,
+    normalized_shape: list[int],
+    rstd: Tensor,
+    weight: Tensor | None,
+    output_mask: list[bool],
+    client: int,
+) -> tuple[Tensor, Tensor]:
+    """aclnnRmsNormGrad through the client. The operator has no output mask and needs a gamma: it
+    always writes both gradients (an unwanted one comes back empty), with ones for a missing weight,
+    and dgamma in FLOAT (cast to weight's dtype)."""
+    grad_input, grad_weight = _rms_norm_backward_fake(
+        grad_out, input, normalized_shape, rstd, weight, output_mask, client
+    )
+    dx = grad_input if output_mask[0] else torch.empty_like(input, memory_format=torch.contiguous_format)
+    dgamma = grad_weight if output_mask[1] and grad_weight.dtype == torch.float32 else None
+    if dgamma is None:
+        dgamma = _grad_buffer(normalized_shape, torch.float32, input.device)
+    gamma = weight if weight is not None else torch.ones(normalized_shape, dtype=input.dtype, device=input.device)
+    _client(client).run("aclnnRmsNormGrad", dy=grad_out, x=input, rstd=rstd, gamma=gamma, dxOut=dx, dgammaOut=dgamma)
+    if output_mask[1] and dgamma is not grad_weight:
+        grad_weight.copy_(dgamma)
+    return grad_input, grad_weight
+
+
+@_rms_norm_backward_op.register_fake
+def _rms_norm_backward_fake(grad_out, input, normalized_shape, rstd, weight, output_mask, client):
+    return (
+        torch.empty_like(input, memory_format=torch.contiguous_format) if output_mask[0] else _empty(input),
+        _grad_buffer(normalized_shape, weight.dtype, input.device) if output_mask[1] else _empty(input),
+    )
+
+
+def _rms_norm_setup(ctx: Any, inputs: tuple, output: tuple) -> None:
+    input, normalized_shape, weight, _eps, client = inputs
+    ctx.mark_non_differentiable(output[1])
+    ctx.save_for_backward(input, weight, output[1])
+    ctx.normalized_shape, ctx.client = normalized_shape, client
+    ctx.keep_alive = _clients.get(client)
+
+
+def _rms_norm_backward(ctx: Any, grad_out: Tensor, _grad_rstd: Tensor) -> tuple:
+    input, weight, rstd = ctx.saved_tensors
+    mask = [ctx.needs_input_grad[0], ctx.needs_input_grad[2]]
+    if not any(mask):
+        return (None,) * 5
+    gi, gw = _rms_norm_backward_op(grad_out, input, ctx.normalized_shape, rstd, weight, mask, ctx.client)
+    return gi if mask[0] else None, None, gw if mask[1] else None, None, None
+
+
+_rms_norm_op.register_autograd(_rms_norm_backward, setup_context=_rms_norm_setup)
+
+
+def rms_norm(
+    input: Tensor,
+    normalized_shape: Sequence[int] | int,
+    weight: Tensor | None = None,
+    eps: float | None = None,
+    *,
+    client: BaseClient,
+) -> Tensor:
+    """`torch.nn.functional.rms_norm` whose backward runs aclnnRmsNormGrad through `client`."""
+    return _rms_norm(input, normalized_shape, weight, eps, _client_id(client))
+
+
+def _rms_norm(
+    input: Tensor, normalized_shape: Sequence[int] | int, weight: Tensor | None, eps: float | None, cid: int
+) -> Tensor:
+    shape = [normalized_shape] if isinstance(normalized_shape, int) else list(normalized_shape)
+    return _rms_norm_op(input, shape, weight, eps, cid)[0]
+
+
+# ---------------------------------------------------------------------- GroupNorm
+
+
+def _group_sizes(input: Tensor) -> tuple[int, int, int]:
+    """(N, C, HxW) of an [N, C, *] input, as aten's and aclnn's GroupNorm take them."""
+    return input.shape[0], input.shape[1], math.prod(input.shape[2:])
+
+
+@torch.library.custom_op("aclnn::group_norm", mutates_args=())
+def _group_norm_op(
+    input: Tensor, num_groups: int, weight: Tensor | None, bias: Tensor | None, eps: float, client: int
+) -> tuple[Tensor, Tensor, Tensor]:
+    """aten's native_group_norm: (output, mean, rstd), the statistics `[N, group]`; `client` is for the backward."""
+    return torch.ops.aten.native_group_norm(input, weight, bias, *_group_sizes(input), num_groups, eps)
+
+
+@_group_norm_op.register_fake
+def _group_norm_fake(input, num_groups, weight, bias, eps, client):
+    return torch.ops.aten.native_group_norm(input, weight, bias, *_group_sizes(input), num_groups, eps)
+
+
+@torch.library.custom_op("aclnn::group_norm_backward", mutates_args=())
+def _group_norm_backward_op(
+    grad_out: Tensor,
+    input: Tensor,
+    mean: Tensor,
+    rstd: Tensor,
+    weight: Tensor | None,
+    num_groups: int,
+    output_mask: list[bool],
+    client: int,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """aclnnGroupNormBackward through the client; masked-off gradients come back empty.
+
+    The service wants mean, rstd, gamma and the parameter gradients in one dtype, gradOut's or FLOAT:
+    aten's (mean's) unless weight has another, then FLOAT, with the gradients cast to weight's dtype.
+    """
+    grad_input, grad_weight, grad_bias = _group_norm_backward_fake(
+        grad_out, input, mean, rstd, weight, num_groups, output_mask, client
+    )
+    stats = mean.dtype if weight is None or weight.dtype == mean.dtype else torch.float32
+    gamma = None if weight is None else weight.to(stats)
+    remote = [g if g.dtype == stats else torch.empty_like(g, dtype=stats) for g in (grad_weight, grad_bias)]
+    n, c, hxw = _group_sizes(input)
+    _client(client).run(
+        "aclnnGroupNormBackward",
+        gradOut=grad_out,
+        input=input,
+        mean=mean.to(stats),
+        rstd=rstd.to(stats),
+        gamma=gamma,
+        N=n,
+        C=c,
+        HxW=hxw,
+        group=num_groups,
+        outputMask=list(output_mask),
+        gradInput=grad_input if output_mask[0] else None,
+        gradGammaOut=remote[0] if output_mask[1] else None,
+        gradBetaOut=remote[1] if output_mask[2] else None,
+    )
+    for target, result in zip((grad_weight, grad_bias), remote):
+        if result is not target:
+            target.copy_(result)
+    return grad_input, grad_weight, grad_bias
+
+
+@_group_norm_backward_op.register_fake
+def _group_norm_backward_fake(grad_out, input, mean, rstd, weight, num_groups, output_mask, client):
+    c = input.shape[1]
+    params_dtype = weight.dtype if weight is not None else mean.dtype
+    return (
+        torch.empty_like(input, memory_format=torch.contiguous_format) if output_mask[0] else _empty(input),
+        _grad_buffer([c], params_dtype, input.device) if output_mask[1] else _empty(input),
+        _grad_buffer([c], params_dtype, input.device) if output_mask[2] else _empty(input),
+    )
+
+
+def _group_norm_setup(ctx: Any, inputs: tuple, output: tuple) -> None:
+    input, num_groups, weight, _bias, _eps, client = inputs
+    _out, mean, rstd = output
+    ctx.mark_non_differentiable(mean, rstd)
+    ctx.save_for_backward(input, weight, mean, rstd)
+    ctx.num_groups, ctx.client = num_groups, client
+    ctx.keep_alive = _clients.get(client)
+
+
+def _group_norm_backward(ctx: Any, grad_out: Tensor, _grad_mean: Tensor, _grad_rstd: Tensor) -> tuple:
+    input, weight, mean, rstd = ctx.saved_tensors
+    need = ctx.needs_input_grad
+    mask = [need[0], need[2], need[3]]
+    if not any(mask):
+        return (None,) * 6
+    gi, gw, gb = _group_norm_backward_op(grad_out, input, mean, rstd, weight, ctx.num_groups, mask, ctx.client)
+    return gi if mask[0] else None, None, gw if mask[1] else None, gb if mask[2] else None, None, None
+
+
+_group_norm_op.register_autograd(_group_norm_backward, setup_context=_group_norm_setup)
+
+
+def group_norm(
+    input: Tensor,
+    num_groups: int,
+    weight: Tensor | None = None,
+    bias: Tensor | None = None,
+    eps: float = 1e-5,
+    *,
+    client: BaseClient,
+) -> Tensor:
+    """`torch.nn.functional.group_norm` whose backward runs aclnnGroupNormBackward through `client`."""
+    return _group_norm(input, num_groups, weight, bias, eps, _client_id(client))
+
+
+def _group_norm(
+    input: Tensor, num_groups: int, weight: Tensor | None, bias: Tensor | None, eps: float, cid: int
+) -> Tensor:
+    # F.group_norm's own checks, with its messages (aten checks the rest)
+    if input.dim() < 2:
+        raise RuntimeError(f"Expected at least 2 dimensions for input tensor but received {input.dim()}")
+    size = [input.shape[0] * input.shape[1] // num_groups, num_groups, *input.shape[2:]]
+    if size[0] * math.prod(size[2:]) == 1:
+        raise ValueError(f"Expected more than 1 value per channel when training, got input size {size}")
+    return _group_norm_op(input, num_groups, weight, bias, eps, cid)[0]
+
+
+# ---------------------------------------------------------------------- SyncBatchNorm
+
+
+class _SyncBatchNormFunction(torch.autograd.Function):
+    """torch.nn.modules._functions.SyncBatchNorm with every computation on the service:
+    aclnnBatchNormStats, aclnnBatchNormGatherStatsWithCounts (which also updates the running
+    statistics in place), aclnnBatchNormElemt; backward the reduce step (see `_reduce_backward`)
+    and aclnnBatchNormElemtBackward. Only the collectives run here, through torch.distributed (any
+    backend, gloo on CPU included: all_gather of the per-process statistics, all_reduce of sumDy
+    and sumDyXmu). Statistics travel in FLOAT, as aclnnBatchNormStats writes them."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        input: Tensor,
+        weight: Tensor | None,
+        bias: Tensor | None,
+        running_mean: Tensor | None,
+        running_var: Tensor | None,
+        eps: float,
+        momentum: float,
+        process_group: Any,
+        world_size: int,
+        cid: int,
+    ) -> Tensor:
+        client = _client(cid)
+        c = input.shape[1]
+        count = input.numel() // c
+        combined = torch.zeros(2 * c + 1, dtype=torch.float32)
+        if count:
+            mean, invstd = combined[:c], combined[c : 2 * c]
+            client.run("aclnnBatchNormStats", input=input, eps=eps, mean=mean, invstd=invstd)
+            combined[2 * c] = count
+        # all_gather, not all_reduce: the counts may differ between processes. A process with an
+        # empty batch takes part with a zero count, which is then left out.
+        gathered = [torch.empty_like(combined) for _ in range(world_size)]
+        dist.all_gather(gathered, combined, process_group)
+        stats = torch.stack(gathered)
+        stats = stats[stats[:, 2 * c] >= 1]
+        mean, invstd = torch.empty(c), torch.empty(c)
+        client.run(
+            "aclnnBatchNormGatherStatsWithCounts",
+            input=input[:0],  # read for its dtype and channel count only: no need to ship the batch
+            mean=stats[:, :c],
+            invstd=stats[:, c : 2 * c],
+            runningMean=running_mean,
+            runningVar=running_var,
+            momentum=momentum,
+            eps=eps,
+            counts=stats[:, 2 * c],
+            meanAll=mean,
+            invstdAll=invstd,
+        )
+        ctx.save_for_backward(input, weight, mean, invstd, stats[:, 2 * c].to(torch.int32))
+        ctx.process_group, ctx.cid, ctx.keep_alive = process_group, cid, client
+        out = torch.empty_like(input)
+        if count:
+            client.run(
+                "aclnnBatchNormElemt",
+                input=input,
+                weight=weight,
+                bias=bias,
+                mean=mean,
+                invstd=invstd,
+                eps=eps,
+                output=out,
+            )
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: Tensor) -> tuple:
+        input, weight, mean, invstd, counts = ctx.saved_tensors
+        need_input, need_weight, need_bias = ctx.needs_input_grad[:3]
+        c = input.shape[1]
+        grad_input = grad_weight = grad_bias = None
+        sums = torch.zeros(2 * c, dtype=torch.float32)
+        if input.numel():
+            grad_weight, grad_bias = _reduce_backward(
+                _client(ctx.cid), grad_out, input, mean, invstd, weight, need_input, need_weight, need_bias, sums
+            )
+        if need_input:  # every process takes part, an empty one with zeros
+            dist.all_reduce(sums, dist.ReduceOp.SUM, ctx.process_group)
+            if input.numel():
+                grad_input = torch.empty_like(input)
+                _client(ctx.cid).run(
+                    "aclnnBatchNormElemtBackward",
+                    gradOut=grad_out,
+                    input=input,
+                    mean=mean,
+                    invstd=invstd,
+                    weight=weight,
+                    sumDy=sums[:c],
+                    sumDyXmu=sums[c:],
+                    counter=counts,
+                    gradInput=grad_input,
+                )
+        # The parameter gradients stay per process: distributed training all-reduces them.
+        return grad_input, grad_weight, grad_bias, *(None,) * 7
+
+
+def _reduce_backward(
+    client: BaseClient,
+    grad_out: Tensor,
+    input: Tensor,
+    mean: Tensor,
+    invstd: Tensor,
+    weight: Tensor | None,
+    need_input: bool,
+    need_weight: bool,
+    need_bias: bool,
+    sums: Tensor,
+) -> tuple[Tensor | None, Tensor | None]:
+    """SyncBatchNorm's reduce step: per-channel sumDy = Σdy and sumDyXmu = Σdy·(x − mean) into `sums`
+    (when the input needs a gradient) and the parameter gradients. aclnnBatchNormReduceBackward is
+    not served yet: aclnnBatchNormBackward (training) with the global statistics as saveMean/saveInvstd
+    gives the same sums as its gradBias (Σdy) and gradWeight (Σdy·(x − mean)·invstd), in FLOAT."""
+    c = input.shape[1]
+    grad_weight, grad_bias = torch.empty(c), torch.empty(c)
+    client.run(
+        "aclnnBatchNormBackward",
+        gradOut=grad_out,
+        input=input,
+        weight=None,
+        runningMean=None,
+        runningVar=None,
+        saveMean=mean,
+        saveInvstd=invstd,
+        training=True,
+        eps=1.0,  # unused: saveInvstd is given
+        outputMask=[False, True, True],
+        gradInput=None,
+        gradWeight=grad_weight,
+        gradBias=grad_bias,
+    )
+    if need_input:
+        sums[:c] = grad_bias
+        sums[c:] = grad_weight.double() / invstd.double()
+    params_dtype = weight.dtype if weight is not None else torch.float32
+    return grad_weight.to(params_dtype) if need_weight else None, grad_bias.to(params_dtype) if need_bias else None
+
+
 # ---------------------------------------------------------------------- whole models
 
 
@@ -431,23 +793,65 @@ class _OffloadedBatchNorm:
 
     def forward(self, input: Tensor) -> Tensor:
         self._check_input_dim(input)
+        running_mean, running_var, bn_training, factor = self._batch_norm_arguments()
+        return _batch_norm(
+            input, running_mean, running_var, self.weight, self.bias, bn_training, factor, self.eps, self._aclnn.id
+        )
+
+    def _batch_norm_arguments(self) -> tuple[Tensor | None, Tensor | None, bool, float]:
+        """Counts the batch; returns the running statistics to use, whether to normalize with the
+        batch's statistics, and the momentum factor (_BatchNorm.forward's logic)."""
         factor = 0.0 if self.momentum is None else self.momentum
         if self.training and self.track_running_stats and self.num_batches_tracked is not None:
             self.num_batches_tracked.add_(1)
             factor = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
         bn_training = self.training or (self.running_mean is None and self.running_var is None)
         track = not self.training or self.track_running_stats
-        return _batch_norm(
-            input,
-            self.running_mean if track else None,
-            self.running_var if track else None,
-            self.weight,
-            self.bias,
-            bn_training,
-            factor,
-            self.eps,
-            self._aclnn.id,
+        running_mean, running_var = (self.running_mean, self.running_var) if track else (None, None)
+        return running_mean, running_var, bn_training, factor
+
+
+class _OffloadedSyncBatchNorm(_OffloadedBatchNorm):
+    """nn.SyncBatchNorm's forward with statistics, normalization and backward on the service and
+    the cross-process reductions through torch.distributed: unlike nn.SyncBatchNorm's, it takes
+    CPU tensors (gloo). Without a process group of two or more, or in eval(), it is the offloaded
+    BatchNorm. Also built directly: `SyncBatchNorm(num_features, ..., process_group=None, client=client)`."""
+
+    def __init__(self, *args: Any, client: BaseClient, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._aclnn = _Binding(client)
+
+    def forward(self, input: Tensor) -> Tensor:
+        self._check_input_dim(input)
+        self._check_non_zero_input_channels(input)
+        running_mean, running_var, bn_training, factor = self._batch_norm_arguments()
+        eps, cid, world_size, group = self.eps, self._aclnn.id, 1, None
+        if bn_training and self.training and dist.is_available() and dist.is_initialized():
+            group = self.process_group or dist.group.WORLD
+            world_size = dist.get_world_size(group)
+        if world_size < 2:
+            return _batch_norm(input, running_mean, running_var, self.weight, self.bias, bn_training, factor, eps, cid)
+        return _SyncBatchNormFunction.apply(
+            input, self.weight, self.bias, running_mean, running_var, eps, factor, group, world_size, cid
         )
+
+
+class _OffloadedRMSNorm:
+    """nn.RMSNorm's forward with the remote backward."""
+
+    _aclnn: _Binding
+
+    def forward(self, x: Tensor) -> Tensor:
+        return _rms_norm(x, self.normalized_shape, self.weight, self.eps, self._aclnn.id)
+
+
+class _OffloadedGroupNorm:
+    """nn.GroupNorm's forward with the remote backward."""
+
+    _aclnn: _Binding
+
+    def forward(self, input: Tensor) -> Tensor:
+        return _group_norm(input, self.num_groups, self.weight, self.bias, self.eps, self._aclnn.id)
 
 
 _BATCH_NORM_FORWARD = nn.modules.batchnorm._BatchNorm.forward
@@ -456,6 +860,9 @@ _STOCK = (  # (class, its stock forward, the offloaded forward's mixin)
     (nn.BatchNorm1d, _BATCH_NORM_FORWARD, _OffloadedBatchNorm),
     (nn.BatchNorm2d, _BATCH_NORM_FORWARD, _OffloadedBatchNorm),
     (nn.BatchNorm3d, _BATCH_NORM_FORWARD, _OffloadedBatchNorm),
+    (nn.RMSNorm, nn.RMSNorm.forward, _OffloadedRMSNorm),
+    (nn.GroupNorm, nn.GroupNorm.forward, _OffloadedGroupNorm),
+    (nn.SyncBatchNorm, nn.SyncBatchNorm.forward, _OffloadedSyncBatchNorm),
 )
 _offloaded: dict[type, type] = {}  # module class -> its offloaded subclass
 
@@ -471,13 +878,15 @@ def _offloaded_class(cls: type) -> type:
 
 for _stock, _, _ in _STOCK:  # the stock classes' subclasses live here by name, so offloaded models pickle
     globals()[f"Offloaded{_stock.__name__}"] = _offloaded_class(_stock)
+SyncBatchNorm = _offloaded_class(nn.SyncBatchNorm)
 
 
 def offload_norms(module: nn.Module, client: BaseClient) -> nn.Module:
-    """Makes every nn.LayerNorm and nn.BatchNorm1d/2d/3d in `module` (itself included) compute its
-    backward through `client`, in place; returns `module`.
+    """Makes every nn.LayerNorm, nn.BatchNorm1d/2d/3d, nn.RMSNorm and nn.GroupNorm in `module` (itself
+    included) compute its backward through `client`, in place; returns `module`.
 
-    Each layer's class becomes a subclass whose forward calls `layer_norm` / `batch_norm` here:
+    Each layer's class becomes a subclass whose forward calls `layer_norm` / `batch_norm` / `rms_norm` /
+    `group_norm` here:
     parameters, buffers and state_dict keys stay as they are. Subclasses that override forward
     are left alone (their forward is not the one this replaces). Offloading again rebinds the client.
     """

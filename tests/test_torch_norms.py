@@ -1,0 +1,269 @@
+"""aclnn_client.torch: offloaded RMSNorm and GroupNorm (aclnnRmsNormGrad, aclnnGroupNormBackward)
+against plain PyTorch training, with test_torch_integration's side-by-side harness."""
+
+from __future__ import annotations
+
+import copy
+import pickle
+
+import pytest
+import torch
+from test_torch_integration import (
+    DTYPES,
+    _close,
+    assert_same_state,
+    loss,
+    offload_client,  # noqa: F401 (fixture)
+    remote_calls,
+    train_side_by_side,
+)
+from torch import nn
+
+from aclnn_client import AclnnError, Client
+from aclnn_client.torch import group_norm, offload_norms, restore_norms, rms_norm
+from aclnn_server import LocalClient
+
+
+def rms_mlp() -> nn.Module:
+    """RMSNorm as transformers use it: affine, without affine, over two dims, with an explicit eps."""
+    return nn.Sequential(
+        nn.Linear(12, 32),
+        nn.RMSNorm(32),
+        nn.GELU(),
+        nn.Linear(32, 24),
+        nn.RMSNorm(24, elementwise_affine=False),
+        nn.Unflatten(1, (4, 6)),
+        nn.RMSNorm([4, 6], eps=1e-3),
+        nn.Flatten(),
+        nn.Linear(24, 6),
+    )
+
+
+def gn_cnn() -> nn.Module:
+    """GroupNorm in a convolutional net: several groups, one group, one channel per group, no affine."""
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1),
+        nn.GroupNorm(4, 8),
+        nn.SiLU(),
+        nn.Conv2d(8, 8, 3, stride=2),
+        nn.GroupNorm(1, 8, affine=False),
+        nn.SiLU(),
+        nn.Conv2d(8, 6, 1, bias=False),  # one channel per group: a bias's gradient would be 0 but for rounding
+        nn.GroupNorm(6, 6, eps=1e-3),
+        nn.Flatten(),
+        nn.Linear(6 * 3 * 3, 16),
+        nn.GroupNorm(2, 16),  # [N, C]: HxW = 1
+        nn.Linear(16, 4),
+    )
+
+
+MODELS = {"rms": rms_mlp, "gn": gn_cnn}
+NORMS = (nn.RMSNorm, nn.GroupNorm)
+
+
+def batches(model: str, dtype: torch.dtype, steps: int = 4) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    shape = (16, 12) if model == "rms" else (6, 3, 8, 8)
+    return [(torch.randn(shape, generator=g) * 2 + 0.5).to(dtype) for _ in range(steps)]
+
+
+def build(model: str, dtype: torch.dtype = torch.float32) -> nn.Module:
+    torch.manual_seed(3)
+    return MODELS[model]().to(dtype)
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+def test_trains_like_pytorch(offload_client, model):  # noqa: F811
+    plain = build(model)
+    offloaded = offload_norms(copy.deepcopy(plain), offload_client)
+    assert sum(type(m).__name__.startswith("Offloaded") for m in offloaded.modules()) == (3 if model == "rms" else 4)
+    train_side_by_side(offloaded, plain, batches(model, torch.float32))
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+@pytest.mark.parametrize("model", list(MODELS))
+def test_low_precision_models_train_like_pytorch(model, dtype):
+    plain = build(model, DTYPES[dtype])
+    with LocalClient("cpu") as client:
+        offloaded = offload_norms(copy.deepcopy(plain), client)
+        train_side_by_side(offloaded, plain, batches(model, DTYPES[dtype], steps=3), lr=0.01)
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+def test_bf16_activations_with_fp32_norms(model):
+    """Mixed precision: aten keeps fp32 statistics for bf16 inputs with fp32 parameters; the
+    service gets them with fp32 gamma and writes fp32 parameter gradients."""
+    plain = build(model, torch.bfloat16)
+    for m in plain.modules():
+        if isinstance(m, NORMS):
+            m.float()
+    with LocalClient("cpu") as client:
+        offloaded = offload_norms(copy.deepcopy(plain), client)
+        train_side_by_side(offloaded, plain, batches(model, torch.bfloat16, steps=3), lr=0.01, at=torch.bfloat16)
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+def test_gradients_accumulate_over_two_backwards(model):
+    plain = build(model)
+    offloaded = offload_norms(copy.deepcopy(plain), LocalClient("numpy"))
+    train_side_by_side(offloaded, plain, batches(model, torch.float32, steps=2), backwards=2)
+
+
+def test_channels_last_group_norm():
+    """A channels-last activation: aten's statistics, the service reads the tensor through its strides."""
+    plain = build("gn").to(memory_format=torch.channels_last)
+    offloaded = offload_norms(copy.deepcopy(plain), LocalClient("numpy"))
+    xs = [x.to(memory_format=torch.channels_last) for x in batches("gn", torch.float32, steps=2)]
+    train_side_by_side(offloaded, plain, xs)
+
+
+def test_backward_runs_on_the_server(serve):
+    served = serve()
+    with Client(served.address) as client:
+        for model, op, layers in (("rms", "aclnnRmsNormGrad", 3), ("gn", "aclnnGroupNormBackward", 4)):
+            offloaded = offload_norms(build(model), client)
+            offloaded(batches(model, torch.float32)[0]).sum().backward()
+            assert remote_calls(served, op) == layers
+            restore_norms(offloaded)(batches(model, torch.float32)[0]).sum().backward()
+            assert remote_calls(served, op) == layers  # restored: local again
+
+
+class RecordingClient(LocalClient):
+    """A LocalClient that remembers each call's operator and outputMask (None without one)."""
+
+    def __init__(self) -> None:
+        super().__init__("numpy")
+        self.calls: list[tuple[str, list[bool] | None]] = []
+
+    def run(self, op, *, stream=None, **params):
+        mask = params.get("outputMask")
+        self.calls.append((op, None if mask is None else list(mask)))
+        super().run(op, stream=stream, **params)
+
+
+def test_only_the_gradients_autograd_needs_are_computed():
+    """GroupNorm asks for what autograd needs; aclnnRmsNormGrad has no mask (always dx and dgamma),
+    so RMSNorm only leaves the unwanted ones out of .grad."""
+    client = RecordingClient()
+    x = torch.randn(8, 6, 5)  # no grad: the first layer needs no gradInput
+    gn1, gn2, rms = nn.GroupNorm(3, 6), nn.GroupNorm(2, 6), nn.RMSNorm(5)
+    gn1.bias.requires_grad_(False)
+    gn2.weight.requires_grad_(False)
+    rms.weight.requires_grad_(False)
+    model = offload_norms(nn.Sequential(gn1, rms, gn2), client)
+    model(x).square().sum().backward()
+    assert client.calls == [
+        ("aclnnGroupNormBackward", [True, False, True]),
+        ("aclnnRmsNormGrad", None),
+        ("aclnnGroupNormBackward", [False, True, False]),
+    ]
+    assert gn1.bias.grad is None and gn2.weight.grad is None and rms.weight.grad is None
+    assert gn1.weight.grad is not None and gn2.bias.grad is not None
+    client.calls.clear()
+    with torch.no_grad():
+        model(x)
+    assert client.calls == []
+
+
+def test_frozen_rms_norm_input_still_calls_for_its_weight():
+    client = RecordingClient()
+    rms = offload_norms(nn.RMSNorm(5), client)
+    rms(torch.randn(4, 5)).square().sum().backward()  # input needs no grad, weight does
+    assert client.calls == [("aclnnRmsNormGrad", None)] and rms.weight.grad is not None
+    grad = rms.weight.grad.clone()
+    rms.weight.requires_grad_(False)
+    x = torch.randn(4, 5, requires_grad=True)
+    rms(x).square().sum().backward()  # only the input's gradient: dgamma is computed but dropped
+    assert (
+        client.calls == [("aclnnRmsNormGrad", None)] * 2 and x.grad is not None and torch.equal(rms.weight.grad, grad)
+    )
+
+
+def test_functions_match_torch_nn_functional():
+    client = LocalClient("numpy")
+    x = torch.randn(5, 4, 6, dtype=torch.float64).float().requires_grad_()
+    w6, w4 = torch.rand(6, requires_grad=True), torch.rand(4, requires_grad=True)
+    b4 = torch.randn(4, requires_grad=True)
+    w24 = torch.rand(4, 6, requires_grad=True)
+    cases = (
+        (lambda: rms_norm(x, 6, w6, client=client), lambda: nn.functional.rms_norm(x, [6], w6), [x, w6]),
+        (
+            lambda: rms_norm(x, (4, 6), w24, 1e-2, client=client),
+            lambda: nn.functional.rms_norm(x, (4, 6), w24, 1e-2),
+            [x, w24],
+        ),
+        (lambda: rms_norm(x, [6], client=client), lambda: nn.functional.rms_norm(x, [6]), [x]),
+        (
+            lambda: group_norm(x, 2, w4, b4, 1e-3, client=client),
+            lambda: nn.functional.group_norm(x, 2, w4, b4, 1e-3),
+            [x, w4, b4],
+        ),
+        (lambda: group_norm(x, 4, client=client), lambda: nn.functional.group_norm(x, 4), [x]),
+    )
+    for fn, ref, inputs in cases:
+        got, want = fn(), ref()
+        assert torch.equal(got, want)  # the forward is aten's own
+        for g, r in zip(
+            torch.autograd.grad(got.square().sum(), inputs), torch.autograd.grad(want.square().sum(), inputs)
+        ):
+            _close(g, r, "grad")
+    with pytest.raises(ValueError, match="more than 1 value per channel"):
+        group_norm(torch.randn(1, 4), 4, client=client)
+    with pytest.raises(RuntimeError, match="divisible by num_groups"):
+        group_norm(x, 3, client=client)
+    with pytest.raises(RuntimeError, match="at least 2 dimensions"):
+        group_norm(torch.randn(4), 1, client=client)
+
+
+def test_restore_and_state_dict_round_trip():
+    client = LocalClient("numpy")
+    for model in MODELS:
+        plain = build(model)
+        offloaded = offload_norms(copy.deepcopy(plain), client)
+        names = {type(m).__name__ for m in offloaded.modules()}
+        assert {"OffloadedRMSNorm"} <= names if model == "rms" else {"OffloadedGroupNorm"} <= names
+        assert list(offloaded.state_dict()) == list(plain.state_dict())
+        restored = pickle.loads(pickle.dumps(offloaded))  # pickles by name, without its client
+        with pytest.raises(AclnnError, match="no longer exists"):
+            restored(batches(model, torch.float32)[0]).sum().backward()
+        assert [type(m) for m in restore_norms(offloaded).modules()] == [type(m) for m in plain.modules()]
+
+
+def test_custom_forwards_are_left_alone():
+    class Mine(nn.GroupNorm):
+        def forward(self, x):
+            return super().forward(x) * 2
+
+    model = offload_norms(nn.Sequential(Mine(2, 4), nn.GroupNorm(2, 4), nn.RMSNorm(4)), LocalClient("numpy"))
+    assert [type(m).__name__ for m in model] == ["Mine", "OffloadedGroupNorm", "OffloadedRMSNorm"]
+
+
+def test_service_errors_raise_from_backward():
+    """float64 is not an aclnn dtype: 161002 out of loss.backward(), naming the operator's parameter."""
+    for layer, param in ((nn.RMSNorm(8), "dy"), (nn.GroupNorm(2, 8), "gradOut")):
+        model = offload_norms(layer.double(), LocalClient("numpy"))
+        out = model(torch.randn(4, 8, dtype=torch.float64, requires_grad=True)).square().sum()
+        with pytest.raises(AclnnError) as err:
+            out.backward()
+        assert (err.value.code, err.value.param) == (161002, param)
+
+
+@pytest.mark.slow
+def test_torch_compile_trains_like_eager():
+    """fullgraph=True: no graph break; one remote backward per layer."""
+    client, eager_client = RecordingClient(), LocalClient("numpy")
+    torch.manual_seed(5)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.GroupNorm(2, 4), nn.Flatten(), nn.Linear(4 * 4 * 4, 8), nn.RMSNorm(8))
+    eager = offload_norms(copy.deepcopy(model), eager_client)
+    compiled_model = offload_norms(model, client)
+    compiled = torch.compile(compiled_model, fullgraph=True)
+    xs = [torch.randn(3, 3, 6, 6) for _ in range(3)]
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (compiled_model, eager)]
+    for x in xs:
+        for fn, optimizer in zip((compiled, eager), optimizers):
+            optimizer.zero_grad()
+            loss(fn, x).backward()
+            optimizer.step()
+        assert_same_state(compiled_model, eager, "compiled")
+    assert [op for op, _ in client.calls] == ["aclnnRmsNormGrad", "aclnnGroupNormBackward"] * len(xs)
+    client.close(), eager_client.close()
