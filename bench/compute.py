@@ -6,9 +6,10 @@
 For every operator, shape and dtype (fp32/fp16/bf16) it times, in this process and warm:
   * each backend through LocalClient: get_workspace_size + execute (validation, executor,
     input views and the compute itself, into the case's preallocated output arrays);
-  * PyTorch CPU on the same arrays: aten.native_layer_norm_backward / native_batch_norm_backward
-    (LayerNormGrad: its rstd from variance, then native_layer_norm_backward; ElemtBackward,
-    which has no CPU aten op: the same formula as composed torch ops);
+  * PyTorch CPU on the same arrays: aten.native_layer_norm_backward / native_batch_norm_backward /
+    _fused_rms_norm / native_group_norm_backward (LayerNormGrad: its rstd from variance, then
+    native_layer_norm_backward; ElemtBackward and RmsNormGrad, which have no CPU aten op: the same
+    formula as composed torch ops);
 in interleaved rounds, and prints a Markdown table of medians, the median per-round ratios to
 PyTorch, the cpu backend's time
 against the memory-traffic bound (reading and writing each full-size tensor once, at the copy
@@ -162,12 +163,63 @@ def elemt_case(rng, shape, dtype) -> Case:
     return Case("aclnnBatchNormElemtBackward", shape, p, run)
 
 
+def rms_norm_case(rng, shape, dtype) -> Case:
+    m, n = shape
+    x = rng.standard_normal(shape, np.float32).astype(dtype)
+    w = rng.uniform(0.5, 1.5, n).astype(dtype)
+    p = dict(x=x, gamma=w, epsilon=1e-6, yOut=np.empty(shape, dtype), rstdOut=np.empty((m, 1), np.float32))
+    t_x, t_w = tt(x), tt(w)
+    return Case("aclnnRmsNorm", shape, p, lambda: torch.ops.aten._fused_rms_norm(t_x, [n], t_w, 1e-6))
+
+
+def rms_norm_grad_case(rng, shape, dtype) -> Case:
+    m, n = shape
+    x = rng.standard_normal(shape, np.float32)
+    rstd = (1 / np.sqrt((x.astype(np.float64) ** 2).mean(1) + 1e-6)).astype(np.float32)
+    dy = rng.standard_normal(shape, np.float32).astype(dtype)
+    x = x.astype(dtype)
+    w = rng.uniform(0.5, 1.5, n).astype(dtype)
+    p = dict(dy=dy, x=x, rstd=rstd, gamma=w, dxOut=np.empty(shape, dtype), dgammaOut=np.empty(n, np.float32))
+    t_dy, t_x, t_w, t_rstd = tt(dy), tt(x), tt(w), tt(rstd).reshape(m, 1)
+
+    def run():  # _fused_rms_norm_backward has no CPU kernel in aten: autograd's formula, in fp32
+        xhat = t_x.float() * t_rstd
+        gw = t_dy.float() * t_w.float()
+        dx = ((gw - xhat * (gw * xhat).mean(1, keepdim=True)) * t_rstd).to(t_dy.dtype)
+        return dx, (t_dy.float() * xhat).sum(0)
+
+    return Case("aclnnRmsNormGrad", shape, p, run)
+
+
+def group_norm_backward_case(rng, shape, dtype) -> Case:
+    """`shape` is NCHW with min(32, C/2) groups; mean, rstd, gamma and their gradients in fp32."""
+    n, c = shape[:2]
+    hxw = math.prod(shape[2:])
+    group = min(32, c // 2)
+    x = rng.standard_normal(shape, np.float32)
+    groups = x.reshape(n, group, -1)
+    mean, rstd = groups.mean(2), 1 / np.sqrt(groups.var(2) + 1e-5)
+    g = rng.standard_normal(shape, np.float32).astype(dtype)
+    x = x.astype(dtype)
+    w = rng.uniform(0.5, 1.5, c).astype(np.float32)
+    p = dict(
+        gradOut=g, input=x, mean=mean, rstd=rstd, gamma=w, N=n, C=c, HxW=hxw, group=group,
+        outputMask=[True, True, True], gradInput=np.empty(shape, dtype), gradGammaOut=np.empty(c, np.float32),
+        gradBetaOut=np.empty(c, np.float32),
+    )  # fmt: skip
+    args = (tt(g), tt(x), tt(mean), tt(rstd), tt(w), n, c, hxw, group, [True, True, True])
+    return Case("aclnnGroupNormBackward", shape, p, lambda: torch.ops.aten.native_group_norm_backward(*args))
+
+
 OPERATORS = [
     ("aclnnLayerNormBackward", layer_norm_case, LN_SHAPES),
     ("LayerNormGrad", layer_norm_grad_case, LN_SHAPES),
     ("aclnnBatchNormBackward", batch_norm_case, BN_SHAPES),
     ("aclnnBatchNormBackward NHWC", functools.partial(batch_norm_case, channels_last=True), BN_SHAPES),
     ("aclnnBatchNormElemtBackward", elemt_case, BN_SHAPES),
+    ("aclnnRmsNorm", rms_norm_case, LN_SHAPES),
+    ("aclnnRmsNormGrad", rms_norm_grad_case, LN_SHAPES),
+    ("aclnnGroupNormBackward", group_norm_backward_case, BN_SHAPES),
 ]
 
 

@@ -43,13 +43,24 @@ def kernel_modules() -> dict[str, ModuleType]:
 
     _jit.configure_cache()
     _jit.pin_threading_layer()
-    from . import batch_norm_backward, batch_norm_elemt_backward, layer_norm_backward, layer_norm_grad
+    from . import (
+        batch_norm_backward,
+        batch_norm_elemt_backward,
+        group_norm_backward,
+        layer_norm_backward,
+        layer_norm_grad,
+        rms_norm,
+        rms_norm_grad,
+    )
 
     return {
         "aclnnLayerNormBackward": layer_norm_backward,
         "LayerNormGrad": layer_norm_grad,
         "aclnnBatchNormBackward": batch_norm_backward,
         "aclnnBatchNormElemtBackward": batch_norm_elemt_backward,
+        "aclnnRmsNorm": rms_norm,
+        "aclnnRmsNormGrad": rms_norm_grad,
+        "aclnnGroupNormBackward": group_norm_backward,
     }
 
 
