@@ -236,6 +236,8 @@ class AclnnServer:
         self._stopping = threading.Event()
 
     def start(self) -> None:
+        for service in ("", SERVICE_NAME):  # known to health checks from the first connection on
+            self.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
         self.grpc.start()
         if self.data_channel is not None:
             self.data_channel.start()
@@ -244,8 +246,6 @@ class AclnnServer:
         if self.engine.ready.is_set():
             self._serve_when_ready()
         else:
-            for service in ("", SERVICE_NAME):
-                self.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
             threading.Thread(target=self._serve_when_ready, name="aclnn-ready", daemon=True).start()
         self._reaper = threading.Thread(target=self._reap, name="aclnn-reaper", daemon=True)
         self._reaper.start()
