@@ -63,7 +63,7 @@ class ServerProcess:
     def health(self) -> int:
         with grpc.insecure_channel(f"127.0.0.1:{self.port}") as channel:
             request = health_pb2.HealthCheckRequest(service="aclnn.v1.Aclnn")
-            return health_pb2_grpc.HealthStub(channel).Check(request, timeout=5).status
+            return health_pb2_grpc.HealthStub(channel).Check(request, timeout=10, wait_for_ready=True).status
 
     def close(self) -> None:
         self.proc.kill()
