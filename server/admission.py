@@ -54,7 +54,6 @@ class Admission:
     ) -> Iterator[tuple[float, Hold]]:
         """Holds an execution slot and `nbytes` of memory for the block; yields (seconds waited, the hold)."""
         started = time.monotonic()
-        self.ledger.check_possible(nbytes, "op")
         give_up = min(deadline if deadline is not None else float("inf"), started + self.MAX_WAIT_S)
         with self._cond:
             hold = self._try_start(owner, nbytes, stream)

@@ -239,10 +239,10 @@ class Engine:
             except BaseException:
                 hold.release()
                 raise
-        hold.shrink(output_bytes)  # the workspace is free again
         if call.holds is None:
             hold.release()
         else:
+            hold.shrink(output_bytes)  # the workspace is free again; the outputs until the reply is sent
             call.holds.append(hold)
 
     def _plan(self, op: str, values: Mapping[str, Value], call: CallContext) -> tuple[Operator, Plan, int]:
@@ -274,9 +274,12 @@ class Engine:
 
     def _check_budget(self, plan: Plan, workspace_size: int) -> None:
         """161002 for a call that could never fit one caller's memory: no allocation sized by a client's whim."""
-        for t in [*plan.inputs.values(), *plan.outputs.values()]:
-            self.ledger.check_possible(t.numel * t.dtype.itemsize, t.name)
-        total = workspace_size + sum(t.numel * t.dtype.itemsize for t in plan.outputs.values())
+        tensors = [*plan.inputs.values(), *plan.outputs.values()]
+        sizes = [t.numel * t.dtype.itemsize for t in tensors]
+        if max(sizes, default=0) > self.ledger.tenant_bytes:  # the message names the first at fault
+            for t, size in zip(tensors, sizes):
+                self.ledger.check_possible(size, t.name)
+        total = workspace_size + sum(sizes[len(plan.inputs) :])
         self.ledger.check_possible(total, next(iter(plan.outputs), "op"))
 
     @staticmethod

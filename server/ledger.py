@@ -9,7 +9,6 @@ never fit is the caller's error (161002 naming the tensor); one that does not fi
 
 from __future__ import annotations
 
-import collections
 import threading
 
 from aclnn_client.errors import Status, invalid_error
@@ -68,10 +67,11 @@ class MemoryLedger:
         self.budget_bytes = budget_bytes
         self.tenant_bytes = min(tenant_bytes or budget_bytes, budget_bytes)
         self.held = 0
-        self._by_owner: collections.Counter[str | None] = collections.Counter()
-        self._by_kind: collections.Counter[str] = collections.Counter()
-        self._stored_by_owner: collections.Counter[str | None] = collections.Counter()
-        self._running_by_owner: collections.Counter[str | None] = collections.Counter()
+        # Plain dicts, not Counters: these are updated several times per call (Counter's methods are Python).
+        self._by_owner: dict[str | None, int] = {}
+        self._by_kind: dict[str, int] = {}
+        self._stored_by_owner: dict[str | None, int] = {}
+        self._running_by_owner: dict[str | None, int] = {}
         # Admission waits on this too: a release may let a queued call run.
         self.condition = threading.Condition()
 
@@ -105,14 +105,14 @@ class MemoryLedger:
         """Whether running calls, which end by themselves, hold memory that `owner` waits for."""
         with self.condition:
             if self._blocker(owner, nbytes, RUNNING) == "share":
-                return self._running_by_owner[owner] > 0
-            return self._running_by_owner.total() > 0
+                return self._running_by_owner.get(owner, 0) > 0
+            return bool(self._running_by_owner)
 
     def refusal(self, owner: str | None, nbytes: int, kind: str, param: str) -> CapacityError:
         with self.condition:
             blocker = self._blocker(owner, nbytes, kind) or "budget"
-            mine = self._stored_by_owner[owner] if blocker == "stored share" else self._by_owner[owner]
-            total = self._by_kind.total() if blocker == "budget" else self._stored_total()
+            mine = (self._stored_by_owner if blocker == "stored share" else self._by_owner).get(owner, 0)
+            total = self.held if blocker == "budget" else self._stored_total()
         budget, share = self._limits(kind)
         whose = {
             "share": f"this caller holds {mine} of its {share}-byte share",
@@ -128,7 +128,7 @@ class MemoryLedger:
 
     def held_by(self, owner: str | None) -> int:
         with self.condition:
-            return self._by_owner[owner]
+            return self._by_owner.get(owner, 0)
 
     def held_by_kind(self) -> dict[str, int]:
         with self.condition:
@@ -141,19 +141,19 @@ class MemoryLedger:
         return self.budget_bytes, self.tenant_bytes
 
     def _stored_total(self) -> int:
-        return sum(self._by_kind[kind] for kind in STORED)
+        return sum(self._by_kind.get(kind, 0) for kind in STORED)
 
     def _blocker(self, owner: str | None, nbytes: int, kind: str) -> str | None:
         """What stops a hold of `nbytes` now: "budget", "share", "stored", "stored share", or None."""
         if self.held + nbytes > self.budget_bytes:
             return "budget"
-        if self._by_owner[owner] + nbytes > self.tenant_bytes:
+        if self._by_owner.get(owner, 0) + nbytes > self.tenant_bytes:
             return "share"
         if kind in STORED:
             budget, share = self._limits(kind)
             if self._stored_total() + nbytes > budget:
                 return "stored"
-            if self._stored_by_owner[owner] + nbytes > share:
+            if self._stored_by_owner.get(owner, 0) + nbytes > share:
                 return "stored share"
         return None
 
@@ -161,15 +161,19 @@ class MemoryLedger:
         """Adds `nbytes` (negative: removes) to a hold and the totals; the caller holds the condition."""
         hold.nbytes += nbytes
         self.held += nbytes
-        self._by_owner[hold.owner] += nbytes
-        self._by_kind[hold.kind] += nbytes
+        self._by_kind[hold.kind] = self._by_kind.get(hold.kind, 0) + nbytes
+        owner = hold.owner
+        counters = [self._by_owner]
         if hold.kind == RUNNING:
-            self._running_by_owner[hold.owner] += nbytes
+            counters.append(self._running_by_owner)
         elif hold.kind in STORED:
-            self._stored_by_owner[hold.owner] += nbytes
-        for counter in (self._by_owner, self._running_by_owner, self._stored_by_owner):
-            if counter.get(hold.owner) == 0:
-                del counter[hold.owner]
+            counters.append(self._stored_by_owner)
+        for counter in counters:
+            left = counter.get(owner, 0) + nbytes
+            if left:
+                counter[owner] = left
+            else:
+                counter.pop(owner, None)  # no identity lingers in the ledger once it holds nothing
 
     def _give_back(self, hold: Hold, nbytes: int) -> None:
         with self.condition:

@@ -101,6 +101,10 @@ def _take(holds: list[Hold], nbytes: int) -> Hold:
     return holds[-1].split(nbytes, "result")
 
 
+# Received gRPC messages up to this size are not held in the ledger (see invoke).
+SMALL_MESSAGE_BYTES = 64 << 10
+
+
 def _message_size(message: Any, streamed: int) -> int:
     """A message's size; streamed calls (iterators, raw bytes) report the bytes they moved instead."""
     return message.ByteSize() if hasattr(message, "ByteSize") else streamed
@@ -121,11 +125,14 @@ class AclnnService:
         """Runs method `name`, recording its metrics and access-log line; failures propagate."""
         started, status, reply = time.perf_counter(), "ACLNN_SUCCESS", None
         self.metrics.in_flight.inc()
+        request_size = _message_size(request, call.bytes_in)
         try:
             if call.holds is None:  # a transport that reserved its request's bytes before receiving them sets holds
                 call.holds = []
-                if hasattr(request, "ByteSize"):  # a whole message, received: its bytes are held until the reply
-                    call.holds.append(self.ledger.reserve(call.owner, request.ByteSize(), "message", "request"))
+                # A whole message, received: its bytes are held until the reply. Small ones are the transport's
+                # fixed overhead (at most one per call slot), as the data channel's per-connection buffers are.
+                if hasattr(request, "ByteSize") and request_size > SMALL_MESSAGE_BYTES:
+                    call.holds.append(self.ledger.reserve(call.owner, request_size, "message", "request"))
             self.storage.touch(call.session, call.owner)
             reply = getattr(self, name)(request, call)
             return reply
@@ -141,7 +148,7 @@ class AclnnService:
             total = time.perf_counter() - started
             phases = {"queue": call.queue_s, "validation": call.validation_s, "compute": call.compute_s}
             phases["transfer"] = max(0.0, total - sum(phases.values()))
-            sizes = (_message_size(request, call.bytes_in), _message_size(reply, call.bytes_out))
+            sizes = (request_size or call.bytes_in, _message_size(reply, call.bytes_out))
             # Only this server's operators become labels: ever-new names would grow /metrics without bound.
             op_label = call.op if not call.op or call.op in self.engine.operators else "unregistered"
             self.metrics.observe(name, op_label, status, phases, sizes)
