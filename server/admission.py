@@ -64,11 +64,16 @@ class Admission:
                 try:
                     while hold is None:
                         self._check_alive(deadline, cancelled)
-                        if self._slot_free(stream) and not self.ledger.waiting_helps(owner, nbytes):
+                        for_memory = self._slot_free(stream)  # else it waits for a slot or its stream's turn
+                        if for_memory and not self.ledger.waiting_helps(owner, nbytes):
                             raise self.ledger.refusal(owner, nbytes, "call", "op")  # no running call will free it
                         if time.monotonic() >= give_up:
                             raise self._busy()
-                        self._cond.wait(max(min(self._POLL_S, give_up - time.monotonic()), 0.0))
+                        self.ledger.memory_waiters += for_memory
+                        try:
+                            self._cond.wait(max(min(self._POLL_S, give_up - time.monotonic()), 0.0))
+                        finally:
+                            self.ledger.memory_waiters -= for_memory
                         hold = self._try_start(owner, nbytes, stream)
                 finally:
                     self.waiting -= 1

@@ -72,8 +72,10 @@ class MemoryLedger:
         self._by_kind: dict[str, int] = {}
         self._stored_by_owner: dict[str | None, int] = {}
         self._running_by_owner: dict[str | None, int] = {}
-        # Admission waits on this too: a release may let a queued call run.
+        # Admission waits on this too: a release may let a queued call run. Only calls waiting for
+        # memory (counted here) are woken by a release; a freed slot wakes the others.
         self.condition = threading.Condition()
+        self.memory_waiters = 0
 
     def reserve(self, owner: str | None, nbytes: int, kind: str, param: str = "") -> Hold:
         """A hold of `nbytes` now, or CapacityError (retry later), or 161002 (never fits)."""
@@ -178,4 +180,5 @@ class MemoryLedger:
     def _give_back(self, hold: Hold, nbytes: int) -> None:
         with self.condition:
             self._move(hold, -min(nbytes, hold.nbytes))
-            self.condition.notify_all()
+            if self.memory_waiters:
+                self.condition.notify_all()
