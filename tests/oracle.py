@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import ml_dtypes
 import numpy as np
+import pytest
 import torch
+
+from aclnn_client import AclnnError
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float16), BF16)
@@ -50,6 +53,18 @@ class Untouched:
     def check(self) -> None:
         for a, b in zip(self.arrays, self.before):
             assert a.tobytes() == b.tobytes(), "a failed call wrote to an output"
+
+
+def expect_error(client, op: str, p: dict, written: tuple[str, ...], code: int, param: str) -> None:
+    """Both phases fail with `code` naming `param`, and none of the `written` tensors changed."""
+    untouched = Untouched(*(p.get(n) for n in written))
+    with pytest.raises(AclnnError) as info:
+        client.get_workspace_size(op, **p)
+    assert (info.value.code, info.value.param) == (code, param), str(info.value)
+    with pytest.raises(AclnnError) as info:
+        client.run(op, **p)
+    assert (info.value.code, info.value.param) == (code, param), str(info.value)
+    untouched.check()
 
 
 # Error-table cases mutate one valid call; these build the mutations.

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from layer_norm_cases import layer_norm_reference
 from layer_norm_forward_cases import F32, layer_norm_forward_call, layer_norm_forward_reference
-from oracle import BF16, FLOAT_DTYPES, Untouched, assert_close, cast, reshape, retag, sentinel_like, set_
+from oracle import BF16, FLOAT_DTYPES, assert_close, cast, expect_error, reshape, retag, sentinel_like, set_
 
 from aclnn_client import AclnnError, Format
 
@@ -135,14 +135,7 @@ CASES = [
 def test_error_table(client, rng, mutate, code, param):
     p = layer_norm_forward_call(rng, (6, 4, 8))
     mutate(p)
-    untouched = Untouched(*(p[n] for n in OUTPUTS))
-    with pytest.raises(AclnnError) as info:
-        client.get_workspace_size(OP, **p)
-    assert (info.value.code, info.value.param) == (code, param), str(info.value)
-    with pytest.raises(AclnnError) as info:
-        client.run(OP, **p)
-    assert (info.value.code, info.value.param) == (code, param), str(info.value)
-    untouched.check()
+    expect_error(client, OP, p, OUTPUTS, code, param)
 
 
 def test_bias_dtype_must_equal_weight_dtype(client, rng):
