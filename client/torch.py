@@ -262,7 +262,7 @@ def _batch_norm_backward_op(
     )
     # The service writes gradWeight/gradBias in weight's dtype (gradOut's without a weight) or FLOAT.
     allowed = (weight.dtype if weight is not None else grad_out.dtype, torch.float32)
-    remote = [g if g.dtype in allowed else torch.empty_like(g, dtype=torch.float32) for g in (grad_weight, grad_bias)]
+    remote = _staged((grad_weight, grad_bias), allowed, torch.float32)
     _client(client).run(
         "aclnnBatchNormBackward",
         gradOut=grad_out,
@@ -279,10 +279,20 @@ def _batch_norm_backward_op(
         gradWeight=remote[0] if output_mask[1] else None,
         gradBias=remote[1] if output_mask[2] else None,
     )
-    for target, result in zip((grad_weight, grad_bias), remote):
+    _copy_back((grad_weight, grad_bias), remote)
+    return grad_input, grad_weight, grad_bias
+
+
+def _staged(grads: tuple[Tensor, ...], accepted: tuple[torch.dtype, ...], staging: torch.dtype) -> list[Tensor]:
+    """Each gradient itself when the service writes its dtype, else a `staging` scratch (see `_copy_back`)."""
+    return [g if g.dtype in accepted else torch.empty_like(g, dtype=staging) for g in grads]
+
+
+def _copy_back(targets: tuple[Tensor, ...], staged: list[Tensor]) -> None:
+    """Casts what the service wrote into scratch tensors back into the gradients they stand for."""
+    for target, result in zip(targets, staged):
         if result is not target:
             target.copy_(result)
-    return grad_input, grad_weight, grad_bias
 
 
 @_batch_norm_backward_op.register_fake
@@ -533,7 +543,7 @@ def _group_norm_backward_op(
     )
     stats = mean.dtype if weight is None or weight.dtype == mean.dtype else torch.float32
     gamma = None if weight is None else weight.to(stats)
-    remote = [g if g.dtype == stats else torch.empty_like(g, dtype=stats) for g in (grad_weight, grad_bias)]
+    remote = _staged((grad_weight, grad_bias), (stats,), stats)
     n, c, hxw = _group_sizes(input)
     _client(client).run(
         "aclnnGroupNormBackward",
@@ -551,9 +561,7 @@ def _group_norm_backward_op(
         gradGammaOut=remote[0] if output_mask[1] else None,
         gradBetaOut=remote[1] if output_mask[2] else None,
     )
-    for target, result in zip((grad_weight, grad_bias), remote):
-        if result is not target:
-            target.copy_(result)
+    _copy_back((grad_weight, grad_bias), remote)
     return grad_input, grad_weight, grad_bias
 
 
