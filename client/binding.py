@@ -93,7 +93,9 @@ class BoundCall:
             if not (view.flags.writeable and view.flags.c_contiguous and view.flags.aligned):
                 return {}
             views[name] = view
-        inputs = [t.data for t in self.inputs().values() if isinstance(t.data, np.ndarray)]
+        # An in/out tensor's input is its own destination (the engine reads it there before computing):
+        # it is checked against the other outputs as a view, not against itself as an input.
+        inputs = [t.data for n, t in self.inputs().items() if n not in self.inout and isinstance(t.data, np.ndarray)]
         for name, view in views.items():
             others = [v for n, v in views.items() if n != name]
             if any(np.may_share_memory(view, other) for other in inputs + others):
@@ -120,6 +122,8 @@ def _host_array(name: str, arg: Any) -> Any:
 
     Results written to the view land in the tensor itself: outputs are filled in place.
     """
+    if arg is None or isinstance(arg, (np.ndarray, list, tuple, bool, int, float)):
+        return arg  # the common case, without looking for torch
     try:
         array = torch_array(arg)
         if array is not None:

@@ -229,6 +229,8 @@ class Client(BaseClient):
 
     def _written_names(self, op: str) -> tuple[frozenset[str], frozenset[str]]:
         """An operator's outputs and its in/out tensors, as the server lists them (asked once)."""
+        if self._operators is not None:
+            return self._operators.get(op, (frozenset(), frozenset()))
         with self._operators_lock:
             if self._operators is None:
                 self._operators = {

@@ -212,6 +212,8 @@ class Pool:
     def next(self) -> int:
         """The next backend in turn that is live and not known to be down (any live one, if all are)."""
         self.refresh()
+        if len(self._backends) == 1:
+            return 0  # one backend: the choice is made whatever its state
         now = time.monotonic()
         with self._lock:
             live = [i for i, b in enumerate(self._backends) if b.live] or list(range(len(self._backends)))

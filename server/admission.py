@@ -10,7 +10,7 @@ from collections.abc import Callable, Hashable, Iterator
 from aclnn_client.errors import Status
 
 from .executors import CapacityError
-from .ledger import Hold, MemoryLedger
+from .ledger import RUNNING, Hold, MemoryLedger
 
 
 class CallAbandoned(Exception):
@@ -41,7 +41,11 @@ class Admission:
         return self.running < self.max_concurrency and (stream is None or stream not in self._busy_streams)
 
     def _try_start(self, owner: str | None, nbytes: int, stream: Hashable | None) -> Hold | None:
-        return self.ledger.try_reserve(owner, nbytes, "call") if self._slot_free(stream) else None
+        if not self._slot_free(stream):
+            return None
+        if not nbytes:
+            return Hold(self.ledger, owner, 0, RUNNING)  # nothing to hold: the ledger is not involved
+        return self.ledger.try_reserve(owner, nbytes, RUNNING)
 
     @contextlib.contextmanager
     def slot(
@@ -56,32 +60,11 @@ class Admission:
         started = time.monotonic()
         give_up = min(deadline if deadline is not None else float("inf"), started + self.MAX_WAIT_S)
         with self._cond:
+            if deadline is not None and started >= deadline:
+                raise self._abandoned("deadline")
             hold = self._try_start(owner, nbytes, stream)
             if hold is None:
-                if self.waiting >= self.max_queue:
-                    raise self._busy()
-                self.waiting += 1
-                try:
-                    while hold is None:
-                        self._check_alive(deadline, cancelled)
-                        for_memory = self._slot_free(stream)  # else it waits for a slot or its stream's turn
-                        if for_memory and not self.ledger.waiting_helps(owner, nbytes):
-                            raise self.ledger.refusal(owner, nbytes, "call", "op")  # no running call will free it
-                        if time.monotonic() >= give_up:
-                            raise self._busy()
-                        self.ledger.memory_waiters += for_memory
-                        try:
-                            self._cond.wait(max(min(self._POLL_S, give_up - time.monotonic()), 0.0))
-                        finally:
-                            self.ledger.memory_waiters -= for_memory
-                        hold = self._try_start(owner, nbytes, stream)
-                finally:
-                    self.waiting -= 1
-            try:
-                self._check_alive(deadline, cancelled)
-            except CallAbandoned:
-                hold.release()
-                raise
+                hold = self._wait_for_start(owner, nbytes, stream, deadline, give_up, cancelled)
             self.running += 1
             if stream is not None:
                 self._busy_streams.add(stream)
@@ -93,6 +76,51 @@ class Admission:
                 self._busy_streams.discard(stream)
                 self._cond.notify_all()
 
+    def _wait_for_start(
+        self,
+        owner: str | None,
+        nbytes: int,
+        stream: Hashable | None,
+        deadline: float | None,
+        give_up: float,
+        cancelled: Callable[[], bool],
+    ) -> Hold:
+        """Queued until a slot (and the stream's turn, and the memory) is free; the condition is held.
+
+        The deadline is looked at on every wake-up, the caller's liveness once per poll interval
+        (and before the call starts, when one has passed): under load every finished call wakes
+        the queue, and asking a transport whether its peer is gone costs a system call, made
+        with the lock held.
+        """
+        if self.waiting >= self.max_queue:
+            raise self._busy()
+        self.waiting += 1
+        liveness_due = time.monotonic() + self._POLL_S
+        try:
+            while True:
+                liveness_due = self._check_alive(deadline, cancelled, liveness_due)
+                for_memory = self._slot_free(stream)  # else it waits for a slot or its stream's turn
+                if for_memory and not self.ledger.waiting_helps(owner, nbytes):
+                    raise self.ledger.refusal(owner, nbytes, "call", "op")  # no running call will free it
+                now = time.monotonic()
+                if now >= give_up:
+                    raise self._busy()
+                self.ledger.memory_waiters += for_memory
+                try:
+                    self._cond.wait(max(min(self._POLL_S, give_up - now), 0.0))
+                finally:
+                    self.ledger.memory_waiters -= for_memory
+                hold = self._try_start(owner, nbytes, stream)
+                if hold is not None:
+                    try:
+                        self._check_alive(deadline, cancelled, liveness_due)  # the wait may have outlived the caller
+                    except CallAbandoned:
+                        hold.release()
+                        raise
+                    return hold
+        finally:
+            self.waiting -= 1
+
     def _busy(self) -> CapacityError:
         return CapacityError(
             Status.INNER_CREATE_EXECUTOR,
@@ -100,9 +128,20 @@ class Admission:
             "op",
         )
 
-    @staticmethod
-    def _check_alive(deadline: float | None, cancelled: Callable[[], bool]) -> None:
-        if deadline is not None and time.monotonic() >= deadline:
-            raise CallAbandoned("deadline", "the call's deadline passed before it could run; it was not run")
+    def _check_alive(self, deadline: float | None, cancelled: Callable[[], bool], liveness_due: float) -> float:
+        """CallAbandoned past the deadline, or once the caller is gone (asked only when `liveness_due`
+        has come); returns when its liveness is due next."""
+        now = time.monotonic()
+        if deadline is not None and now >= deadline:
+            raise self._abandoned("deadline")
+        if now < liveness_due:
+            return liveness_due
         if cancelled():
-            raise CallAbandoned("cancelled", "the call was cancelled before it ran; it was not run")
+            raise self._abandoned("cancelled")
+        return now + self._POLL_S
+
+    @staticmethod
+    def _abandoned(reason: str) -> CallAbandoned:
+        if reason == "deadline":
+            return CallAbandoned(reason, "the call's deadline passed before it could run; it was not run")
+        return CallAbandoned(reason, "the call was cancelled before it ran; it was not run")

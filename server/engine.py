@@ -22,7 +22,7 @@ from aclnn_client.tensor import BoolArray, IntArray, Tensor, Value
 from .admission import Admission
 from .backends import Backend, create_backend
 from .executors import ExecutorStore
-from .ledger import Hold, MemoryLedger
+from .ledger import SMALL_HOLD_BYTES, SMALL_WORKSPACE_BYTES, Hold, MemoryLedger
 from .ops import OPERATORS
 from .params import CallParams, Kind
 from .registry import Operator, Plan
@@ -228,6 +228,11 @@ class Engine:
                 "keep them on the server (placements) or raise --max-message-bytes",
             )
         output_bytes = sum(t.numel * t.dtype.itemsize for t in plan.outputs.values())
+        # Small ones are not held (see SMALL_HOLD_BYTES); a kept result always is.
+        if output_bytes <= SMALL_HOLD_BYTES and not call.placed:
+            output_bytes = 0
+        if workspace_size <= SMALL_WORKSPACE_BYTES:
+            workspace_size = 0
         stream = None if call.stream is None else (call.owner, call.session, call.stream)
         with self.admission.slot(workspace_size + output_bytes, call.owner, stream, call.deadline, call.cancelled) as (
             waited,

@@ -21,6 +21,12 @@ from .executors import CapacityError
 RUNNING = "call"
 # Tensors kept between calls.
 STORED = frozenset({"upload", "result", "executor", "region"})
+# Small allocations are not held, so that a small call never takes the ledger's lock, which every
+# other call contends for. A received message or a call's outputs up to SMALL_HOLD_BYTES: at most
+# one per call in flight or connection. A workspace up to SMALL_WORKSPACE_BYTES: only running calls
+# have one, at most --max-concurrency of them.
+SMALL_HOLD_BYTES = 64 << 10
+SMALL_WORKSPACE_BYTES = 1 << 20
 
 
 class Hold:

@@ -94,6 +94,20 @@ def test_results_kept_and_never_downloaded_stop_at_the_tenants_share(serve, toke
     assert served.engine.ledger.held_by(owner("alice")) == 0
 
 
+def test_a_small_kept_result_is_held_though_small_calls_hold_nothing(serve, rng):
+    """Small calls skip the ledger (SMALL_HOLD_BYTES), but a result kept on the server is always counted."""
+    served = serve()
+    p = layer_norm_call(rng, (4, 1024))  # gradInput: 16 KiB
+    with grpc.insecure_channel(served.address) as channel:
+        stub = pb_grpc.AclnnStub(channel)
+        stub.Run(op_call(p), metadata=metadata())
+        assert served.engine.ledger.held_by_kind() == {}
+        reply = stub.Run(op_call(p, keep=("gradInputOut",)), metadata=metadata())
+        assert served.engine.ledger.held_by_kind() == {"result": 4 * 1024 * 4}
+        stub.FreeTensor(pb.TensorHandle(handle=reply.outputs["gradInputOut"].handle), metadata=metadata())
+    assert served.engine.ledger.held_by_kind() == {}
+
+
 def test_executor_data_and_count_are_bounded_per_tenant(serve, token_file, rng):
     """Bytes shipped with GetWorkspaceSize stay held by their executor, against its owner's share."""
     served = serve(

@@ -78,6 +78,7 @@ _HOUSEKEEPING_S = 0.25
 # ENOMEM); it keeps listening.
 _BACKOFF_S = 0.1
 _KINDS = frozenset({CALL, UPLOAD, DOWNLOAD, REGISTER_REGION, UNREGISTER_REGION})
+_PEEK_NOW = int(socket.MSG_PEEK | socket.MSG_DONTWAIT)  # an int once: IntFlag arithmetic is Python code
 _COALESCE_BYTES = 64 << 10
 # Each admitted connection's own buffer: a request this small arrives in one read, into memory the
 # connection holds anyway (at most max_connections of them); a larger one is held in the ledger first.
@@ -720,7 +721,7 @@ def _peer_closed(sock: socket.socket) -> bool:
     """Whether the peer closed the connection: it sends nothing while it waits for its reply, so
     readable with no bytes to read means closed. The raw socket is peeked (under TLS too)."""
     try:
-        return socket.socket.recv(sock, 1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+        return socket.socket.recv(sock, 1, _PEEK_NOW) == b""
     except (BlockingIOError, InterruptedError):
         return False
     except OSError:

@@ -25,7 +25,7 @@ from ..admission import CallAbandoned
 from ..descriptors import MAX_COUNT
 from ..engine import CallContext, Engine
 from ..executors import CapacityError
-from ..ledger import Hold
+from ..ledger import SMALL_HOLD_BYTES, Hold
 from ..metrics import Metrics
 from ..params import check
 from ..regions import RegionOffer, map_region
@@ -49,6 +49,8 @@ _RETRY_AFTER = duration_pb2.Duration(nanos=100_000_000)
 
 def placed(placements: Mapping[str, pb.OutputPlacement]) -> frozenset[str]:
     """Outputs delivered outside the reply: a placement counts only with a kind (a region, or kept on the server)."""
+    if not placements:
+        return frozenset()
     return frozenset(name for name, p in placements.items() if p.WhichOneof("kind") == "region" or p.keep_on_server)
 
 
@@ -101,10 +103,6 @@ def _take(holds: list[Hold], nbytes: int) -> Hold:
     return holds[-1].split(nbytes, "result")
 
 
-# Received gRPC messages up to this size are not held in the ledger (see invoke).
-SMALL_MESSAGE_BYTES = 64 << 10
-
-
 def _message_size(message: Any, streamed: int) -> int:
     """A message's size; streamed calls (iterators, raw bytes) report the bytes they moved instead."""
     return message.ByteSize() if hasattr(message, "ByteSize") else streamed
@@ -129,9 +127,8 @@ class AclnnService:
         try:
             if call.holds is None:  # a transport that reserved its request's bytes before receiving them sets holds
                 call.holds = []
-                # A whole message, received: its bytes are held until the reply. Small ones are the transport's
-                # fixed overhead (at most one per call slot), as the data channel's per-connection buffers are.
-                if hasattr(request, "ByteSize") and request_size > SMALL_MESSAGE_BYTES:
+                # A whole message, received: its bytes are held until the reply (small ones: see SMALL_HOLD_BYTES).
+                if hasattr(request, "ByteSize") and request_size > SMALL_HOLD_BYTES:
                     call.holds.append(self.ledger.reserve(call.owner, request_size, "message", "request"))
             self.storage.touch(call.session, call.owner)
             reply = getattr(self, name)(request, call)
