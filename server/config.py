@@ -90,6 +90,12 @@ class ServerOptions(BaseSettings):
         None, ge=1, description="bytes of the budget one identity may hold at once (default: half of the budget)"
     )
     max_tenant_executors: int = Field(1024, ge=1, description="executors one identity may hold at once")
+    max_tenant_calls: int | None = Field(
+        None,
+        ge=1,
+        description="gRPC calls one identity may have in progress (default: half of the server's call cap, "
+        "--max-concurrency + --max-queue + 4); beyond: RESOURCE_EXHAUSTED at once",
+    )
     executor_ttl_s: float = Field(300.0, gt=0, description="seconds before a never-executed executor expires")
     max_executors: int = Field(4096, ge=1, description="executors alive at once")
     session_ttl_s: float = Field(

@@ -1,6 +1,7 @@
 """The gRPC side under saturation and abuse, against real server processes.
 
-Health answers while every slot is taken and more calls are refused; ever-new operator names
+Health answers while every slot is taken and more calls are refused; one tenant holding calls open
+gets its share of the slots, not all; ever-new operator names
 neither grow /metrics nor forge log lines; a device failure (fake CANN) is tried once per
 replica, not replayed; placements with no kind do not skip the inline-result size check.
 """
@@ -115,9 +116,9 @@ def test_health_answers_while_every_slot_is_taken_and_calls_are_refused():
     """Executions running and queued, the other call slots held by stalled uploads, more calls refused:
     health still answers SERVING at once (it used to share grpc's call limit and got RESOURCE_EXHAUSTED)."""
     metrics_port = free_port()
-    server = Server(
+    server = Server(  # one identity (this user) takes every call slot here
         *("--max-concurrency", "1", "--max-queue", "1", "--metrics-port", str(metrics_port)),
-        *("--memory-budget-bytes", str(16 * GiB)),
+        *("--memory-budget-bytes", str(16 * GiB), "--max-tenant-calls", "6"),
     )
     release = threading.Event()
 
@@ -177,6 +178,50 @@ def test_health_answers_while_every_slot_is_taken_and_calls_are_refused():
     assert all(code == grpc.StatusCode.RESOURCE_EXHAUSTED for code, _, _ in refusals), refusals[:5]
     assert all(delay is not None and delay > 0 for _, delay, _ in refusals), "refusals carry a retry hint"
     assert max(seconds for _, _, seconds in refusals) < 1.0, "refused at once, not after waiting"
+
+
+def test_a_tenant_holding_calls_open_gets_its_share_of_the_call_slots_not_all(tmp_path):
+    """A tenant that keeps gRPC calls open (uploads whose bytes stall, as a trickling request would) holds
+    at most half of the call slots by default: its next call is refused at once, another tenant's still runs."""
+    tokens = tmp_path / "tokens"
+    tokens.write_text("alice\nbob\n")
+    metrics_port = free_port()
+    server = Server(  # call slots: 1 + 7 + 4 = 12, so 6 per identity
+        *("--max-concurrency", "1", "--max-queue", "7", "--metrics-port", str(metrics_port)),
+        *("--auth-token-file", str(tokens)),
+    )
+    alice = (*SESSION, ("authorization", "Bearer alice"))
+    release = threading.Event()
+
+    def stalled_upload():
+        yield pb.TensorChunk(offset=0, total_size=2048, data=bytes(1024))
+        release.wait(60)
+
+    try:
+        with grpc.insecure_channel(server.address) as channel:
+            stub = pb_grpc.AclnnStub(channel)
+            uploads = [stub.UploadTensor.future(stalled_upload(), timeout=60, metadata=alice) for _ in range(6)]
+            wait_until(lambda: in_flight(metrics_port) >= 6)
+            started = time.monotonic()
+            with pytest.raises(grpc.RpcError) as refused:
+                stub.ListOperators(pb.Empty(), timeout=10, metadata=alice)
+            assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "6 calls in progress, its share" in refused.value.details()
+            assert retry_delay(refused.value) is not None
+            assert time.monotonic() - started < 1.0, "refused at once"
+            p = layer_norm_call(np.random.default_rng(0), (4, 8))
+            with Client(server.address, token="bob", data_channel=False) as bob:
+                bob.run(OP, **p)  # the other tenant is served meanwhile
+            release.set()
+            for upload in uploads:
+                with pytest.raises(grpc.RpcError):
+                    upload.result()  # truncated: refused
+            wait_until(lambda: in_flight(metrics_port) == 0)
+            listed = stub.ListOperators(pb.Empty(), metadata=alice).operators  # its share is free again
+            assert OP in [o.name for o in listed]
+    finally:
+        release.set()
+        server.stop()
 
 
 # --------------------------------------------------------------------------- op labels and log lines

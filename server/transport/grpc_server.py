@@ -173,7 +173,8 @@ class AclnnServer:
         # (plans, uploads); beyond them RESOURCE_EXHAUSTED at once. Health checks have threads of their own.
         workers = options.max_concurrency + options.max_queue + 4
         self._health_pool = futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="aclnn-health")
-        self.call_limit = CallLimit(workers, self._health_pool, self.metrics.refused.inc)
+        per_identity = options.max_tenant_calls or max(1, workers // 2)
+        self.call_limit = CallLimit(workers, self._health_pool, self.metrics.refused.inc, per_identity)
         interceptors: list[grpc.ServerInterceptor] = [self.call_limit]  # outermost: calls auth refuses count too
         if options.auth_token_file:
             interceptors.append(TokenAuthInterceptor(read_tokens(options.auth_token_file)))

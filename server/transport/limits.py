@@ -6,11 +6,14 @@ merely loaded. Here health checks run on a pool of their own (grpc's per-method 
 the mechanism its health service uses for Watch) and are never counted; every other call
 takes one of `limit` slots on grpc's polling thread, before any request byte is read, and a
 call beyond the limit is answered RESOURCE_EXHAUSTED with a retry hint at once, without
-reading its request.
+reading its request. One identity may hold at most `per_identity` of the slots (counted once
+its call has a thread, still before its request is read), so a tenant that trickles request
+bytes on many calls cannot take every slot from the others.
 """
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable
 from concurrent import futures
@@ -22,6 +25,7 @@ from grpc_status import rpc_status
 from aclnn_client.errors import Status
 
 from ..executors import CapacityError
+from .auth import caller_identity
 from .service import error_status
 
 HEALTH = "/grpc.health.v1.Health/"
@@ -69,15 +73,21 @@ class CallLimit(grpc.ServerInterceptor):
     """
 
     def __init__(
-        self, limit: int, health_pool: futures.ThreadPoolExecutor, on_refused: Callable[[], None] = lambda: None
+        self,
+        limit: int,
+        health_pool: futures.ThreadPoolExecutor,
+        on_refused: Callable[[], None] = lambda: None,
+        per_identity: int | None = None,
     ) -> None:
         self.limit, self.health_pool, self.on_refused = limit, health_pool, on_refused
+        self.per_identity = per_identity or limit
         self.active = 0
+        self._by_identity: dict[str | None, int] = {}
         self._lock = threading.Lock()
-        busy = CapacityError(
-            Status.INNER_CREATE_EXECUTOR, f"server busy: {limit} calls in progress; retry shortly", "op"
+        self._busy = _busy_status(f"server busy: {limit} calls in progress; retry shortly")
+        self._busy_tenant = _busy_status(
+            f"this caller has {self.per_identity} calls in progress, its share of the server; retry shortly"
         )
-        self._busy = rpc_status.to_status(error_status(busy))
 
     def intercept_service(
         self, continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler], details: grpc.HandlerCallDetails
@@ -95,9 +105,24 @@ class CallLimit(grpc.ServerInterceptor):
             return _handler(self._refuse, handler, request_streaming=True)
         return self._holding(handler, details.method)
 
-    def _release(self) -> None:
+    def _release(self, owner: str | None, counted: bool) -> None:
         with self._lock:
             self.active -= 1
+            if counted:
+                left = self._by_identity[owner] - 1
+                if left:
+                    self._by_identity[owner] = left
+                else:
+                    del self._by_identity[owner]
+
+    def _count(self, owner: str | None) -> bool:
+        """Counts a call against its identity's share; False when the share is full."""
+        with self._lock:
+            mine = self._by_identity.get(owner, 0)
+            if mine >= self.per_identity:
+                return False
+            self._by_identity[owner] = mine + 1
+            return True
 
     def _refuse(self, requests: Any, context: grpc.ServicerContext) -> None:
         context.abort_with_status(self._busy)  # the request is never read
@@ -107,8 +132,14 @@ class CallLimit(grpc.ServerInterceptor):
         unary = not handler.request_streaming
 
         def behavior(requests: Any, context: grpc.ServicerContext) -> Any:
-            if not context.add_callback(self._release):
-                self._release()  # the call has already ended
+            owner = caller_identity(context)
+            counted = self._count(owner)
+            release = functools.partial(self._release, owner, counted)
+            if not context.add_callback(release):
+                release()  # the call has already ended
+            if not counted:
+                self.on_refused()
+                context.abort_with_status(self._busy_tenant)  # its request is never read
             if not unary:
                 return inner(requests, context)
             request = next(requests, None)
@@ -117,3 +148,7 @@ class CallLimit(grpc.ServerInterceptor):
             return inner(request, context)
 
         return _handler(behavior, handler, request_streaming=True)
+
+
+def _busy_status(message: str) -> Any:
+    return rpc_status.to_status(error_status(CapacityError(Status.INNER_CREATE_EXECUTOR, message, "op")))
