@@ -7,9 +7,9 @@ For every operator, shape and dtype (fp32/fp16/bf16) it times, in this process a
   * each backend through LocalClient: get_workspace_size + execute (validation, executor,
     input views and the compute itself, into the case's preallocated output arrays);
   * PyTorch CPU on the same arrays: aten.native_layer_norm_backward / native_batch_norm_backward /
-    _fused_rms_norm / native_group_norm_backward (LayerNormGrad: its rstd from variance, then
-    native_layer_norm_backward; ElemtBackward and RmsNormGrad, which have no CPU aten op: the same
-    formula as composed torch ops);
+    native_batch_norm (training, running statistics updated) / _fused_rms_norm /
+    native_group_norm_backward (LayerNormGrad: its rstd from variance, then native_layer_norm_backward;
+    ElemtBackward and RmsNormGrad, which have no CPU aten op: the same formula as composed torch ops);
 in interleaved rounds, and prints a Markdown table of medians, the median per-round ratios to
 PyTorch, the cpu backend's time
 against the memory-traffic bound (reading and writing each full-size tensor once, at the copy
@@ -135,6 +135,27 @@ def nhwc(a: np.ndarray) -> Any:
                          [a.size], a.reshape(-1))  # fmt: skip
 
 
+def batch_norm_forward_case(rng, shape, dtype, channels_last: bool = False) -> Case:
+    """Training, running statistics updated in place; parameters and statistics in fp32 (as autocast
+    runs BatchNorm). `shape` is NCHW; channels_last as in `batch_norm_case`."""
+    c = shape[1]
+    x = rng.standard_normal(shape, np.float32).astype(dtype)
+    w, b = rng.uniform(0.5, 1.5, c).astype(np.float32), rng.standard_normal(c).astype(np.float32)
+    rm, rv = np.zeros(c, np.float32), np.ones(c, np.float32)
+    y = np.empty(shape, dtype)
+    t_x = tt(x)
+    if channels_last:
+        x, y = (np.ascontiguousarray(np.moveaxis(a, 1, -1)) for a in (x, y))
+        t_x = tt(x).permute(0, 3, 1, 2)
+        x, y = nhwc(x), nhwc(y)
+    p = dict(
+        input=x, weight=w, bias=b, runningMean=rm, runningVar=rv, training=True, momentum=0.1, eps=1e-5,
+        output=y, saveMean=np.empty(c, np.float32), saveInvstd=np.empty(c, np.float32),
+    )  # fmt: skip
+    args = (t_x, tt(w), tt(b), tt(rm.copy()), tt(rv.copy()), True, 0.1, 1e-5)  # torch's own running statistics
+    return Case("aclnnBatchNorm", shape, p, lambda: torch.ops.aten.native_batch_norm(*args))
+
+
 def elemt_case(rng, shape, dtype) -> Case:
     c = shape[1]
     x = rng.standard_normal(shape, np.float32)
@@ -217,6 +238,8 @@ OPERATORS = [
     ("aclnnBatchNormBackward", batch_norm_case, BN_SHAPES),
     ("aclnnBatchNormBackward NHWC", functools.partial(batch_norm_case, channels_last=True), BN_SHAPES),
     ("aclnnBatchNormElemtBackward", elemt_case, BN_SHAPES),
+    ("aclnnBatchNorm", batch_norm_forward_case, BN_SHAPES),
+    ("aclnnBatchNorm NHWC", functools.partial(batch_norm_forward_case, channels_last=True), BN_SHAPES),
     ("aclnnRmsNorm", rms_norm_case, LN_SHAPES),
     ("aclnnRmsNormGrad", rms_norm_grad_case, LN_SHAPES),
     ("aclnnGroupNormBackward", group_norm_backward_case, BN_SHAPES),

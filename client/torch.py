@@ -629,8 +629,8 @@ def _group_norm(
 class _SyncBatchNormFunction(torch.autograd.Function):
     """torch.nn.modules._functions.SyncBatchNorm with every computation on the service:
     aclnnBatchNormStats, aclnnBatchNormGatherStatsWithCounts (which also updates the running
-    statistics in place), aclnnBatchNormElemt; backward the reduce step (see `_reduce_backward`)
-    and aclnnBatchNormElemtBackward. Only the collectives run here, through torch.distributed (any
+    statistics in place), aclnnBatchNormElemt; backward aclnnBatchNormReduceBackward (see
+    `_reduce_backward`) and aclnnBatchNormElemtBackward. Only the collectives run here, through torch.distributed (any
     backend, gloo on CPU included: all_gather of the per-process statistics, all_reduce of sumDy
     and sumDyXmu). Statistics travel in FLOAT, as aclnnBatchNormStats writes them."""
 
@@ -735,33 +735,35 @@ def _reduce_backward(
     need_bias: bool,
     sums: Tensor,
 ) -> tuple[Tensor | None, Tensor | None]:
-    """SyncBatchNorm's reduce step: per-channel sumDy = Σdy and sumDyXmu = Σdy·(x − mean) into `sums`
-    (when the input needs a gradient) and the parameter gradients. aclnnBatchNormReduceBackward is
-    not served yet: aclnnBatchNormBackward (training) with the global statistics as saveMean/saveInvstd
-    gives the same sums as its gradBias (Σdy) and gradWeight (Σdy·(x − mean)·invstd), in FLOAT."""
+    """SyncBatchNorm's reduce step, aclnnBatchNormReduceBackward with the global statistics: per-channel
+    sumDy = Σdy and sumDyXmu = Σdy·(x − mean) straight into `sums` (when the input needs a gradient),
+    and the parameter gradients gradWeight = sumDyXmu·invstd and gradBias = Σdy (those needed), in
+    FLOAT and then the parameters' dtype. Each flag asks only for what autograd needs."""
+    if not (need_input or need_weight or need_bias):
+        return None, None
     c = input.shape[1]
-    grad_weight, grad_bias = torch.empty(c), torch.empty(c)
+    grad_weight = torch.empty(c) if need_weight else None
+    grad_bias = torch.empty(c) if need_bias else None
     client.run(
-        "aclnnBatchNormBackward",
+        "aclnnBatchNormReduceBackward",
         gradOut=grad_out,
         input=input,
-        weight=None,
-        runningMean=None,
-        runningVar=None,
-        saveMean=mean,
-        saveInvstd=invstd,
-        training=True,
-        eps=1.0,  # unused: saveInvstd is given
-        outputMask=[False, True, True],
-        gradInput=None,
+        mean=mean,
+        invstd=invstd,
+        weight=None,  # CANN's code never reads it: no need to ship it
+        inputG=need_input,
+        weightG=need_weight,
+        biasG=need_bias,
+        sumDy=sums[:c] if need_input else None,
+        sumDyXmu=sums[c:] if need_input else None,
         gradWeight=grad_weight,
         gradBias=grad_bias,
     )
-    if need_input:
-        sums[:c] = grad_bias
-        sums[c:] = grad_weight.double() / invstd.double()
     params_dtype = weight.dtype if weight is not None else torch.float32
-    return grad_weight.to(params_dtype) if need_weight else None, grad_bias.to(params_dtype) if need_bias else None
+    return (
+        None if grad_weight is None else grad_weight.to(params_dtype),
+        None if grad_bias is None else grad_bias.to(params_dtype),
+    )
 
 
 # ---------------------------------------------------------------------- whole models

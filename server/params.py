@@ -38,6 +38,9 @@ class ParamSpec:
     output: bool = False
     optional: bool = False
     mask_index: int | None = None  # the outputMask entry that enables this output
+    # The bool scalar that enables this output, for operators with one flag per output group instead of an
+    # outputMask (aclnnBatchNormReduceBackward's inputG/weightG/biasG). Off: as if masked off.
+    enabled_by: str | None = None
     # An input the call updates in place (CANN's running statistics): validated as an input, also
     # written as an output; clients ship its values and write the new ones back into the caller's array.
     inout: bool = False
@@ -52,8 +55,8 @@ def inout(name: str) -> ParamSpec:
     return ParamSpec(name, Kind.TENSOR, optional=True, inout=True)
 
 
-def output(name: str, mask_index: int | None = None) -> ParamSpec:
-    return ParamSpec(name, Kind.TENSOR, output=True, mask_index=mask_index)
+def output(name: str, mask_index: int | None = None, *, enabled_by: str | None = None) -> ParamSpec:
+    return ParamSpec(name, Kind.TENSOR, output=True, mask_index=mask_index, enabled_by=enabled_by)
 
 
 def int_array(name: str) -> ParamSpec:
@@ -94,11 +97,18 @@ class Signature:
             return tuple(mask)
         return None
 
+    def enabled(self, spec: ParamSpec, values: Mapping[str, Value], mask: tuple[bool, ...] | None) -> bool:
+        """False for an output its `mask` entry or its flag turns off, or whose gate is not well formed
+        (a null flag or one of another kind: the operator's null and kind checks report it first)."""
+        if spec.mask_index is not None and (mask is None or not mask[spec.mask_index]):
+            return False
+        return spec.enabled_by is None or values.get(spec.enabled_by) is True
+
     def checked_tensors(self, values: Mapping[str, Value]) -> dict[str, TensorDesc]:
         """Descriptor checks of every non-null tensor, before any operator rule (SPEC 1.4).
 
-        A masked-off output is ignored entirely; when the mask itself is malformed the
-        outputs it gates are left to the operator, whose mask rule fails first.
+        A masked-off output (or one whose flag is false) is ignored entirely; when the mask or
+        flag itself is malformed the outputs it gates are left to the operator, whose rule fails first.
         """
         mask = self.mask_if_wellformed(values)
         tensors = {}
@@ -106,7 +116,7 @@ class Signature:
             value = values.get(spec.name)
             if spec.kind is not Kind.TENSOR or value is None:
                 continue
-            if spec.mask_index is not None and (mask is None or not mask[spec.mask_index]):
+            if not self.enabled(spec, values, mask):
                 continue
             tensors[spec.name] = validate_tensor(spec.name, value, spec.output or spec.inout)
         return tensors
@@ -158,13 +168,15 @@ class CallParams:
         """The non-null tensors among `names`, in that order."""
         return [self.tensors[n] for n in names if n in self.tensors]
 
-    def require_outputs(self, mask: tuple[bool, ...]) -> list[str]:
-        """161001 for the first enabled output that is null; returns the enabled outputs."""
-        enabled = [p.name for p in self.signature.params if p.output and (p.mask_index is None or mask[p.mask_index])]
-        for name in enabled:
-            if self.is_null(name):
-                raise null_error(name, " when its outputMask entry is true")
-        return enabled
+    def require_outputs(self, mask: tuple[bool, ...] | None = None) -> list[str]:
+        """161001 for the first enabled output that is null (gated by the validated `mask`, or by its
+        flag, already checked to be a bool); returns the enabled outputs."""
+        enabled = [p for p in self.signature.params if p.output and self.signature.enabled(p, self.values, mask)]
+        for p in enabled:
+            if self.is_null(p.name):
+                gate = f"{p.enabled_by} is" if p.enabled_by else "its outputMask entry is"
+                raise null_error(p.name, f" when {gate} true")
+        return [p.name for p in enabled]
 
 
 def _is_kind(value: Value, kind: Kind) -> bool:

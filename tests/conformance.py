@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import re
 
+import test_batch_norm
 import test_batch_norm_backward
 import test_batch_norm_elemt_backward
+import test_batch_norm_reduce_backward
 import test_group_norm
 import test_layer_norm_backward
 import test_layer_norm_forward
@@ -28,6 +30,8 @@ def collect_into(namespace: dict) -> None:
         test_rms_norm,
         test_group_norm,
         test_sync_batch_norm,
+        test_batch_norm_reduce_backward,
+        test_batch_norm,
     ):
         for name, fn in vars(suite).items():
             if name.startswith("test_") and callable(fn) and not _SKIP.search(name):

@@ -112,3 +112,52 @@ def elemt_reference(p: dict):
         p["eps"],
     )
     return out
+
+
+REDUCE_OUTPUTS = ("sumDy", "sumDyXmu", "gradWeight", "gradBias")
+REDUCE_FLAGS = {"sumDy": "inputG", "sumDyXmu": "inputG", "gradWeight": "weightG", "gradBias": "biasG"}
+
+
+def reduce_call(
+    rng: np.random.Generator,
+    shape=(4, 3, 5),
+    dtype=F32,
+    flags=(True, True, True),
+    weight: bool = True,
+    dtypes: dict | None = None,
+) -> dict:
+    """A valid aclnnBatchNormReduceBackward call: mean and invstd near the batch's (FLOAT unless
+    `dtypes` says otherwise), enabled outputs sentinel-filled in FLOAT (or `dtypes`), disabled ones null."""
+    dtype, dtypes = np.dtype(dtype), dtypes or {}
+    c = shape[1]
+    x = rand(rng, shape, dtype, -1.0, 3.0)
+    mean, var = channel_stats(x) if x.size else (np.zeros(c), np.ones(c))
+    p = dict(
+        gradOut=rand(rng, shape, dtype),
+        input=x,
+        mean=(mean + rng.uniform(-0.1, 0.1, c)).astype(dtypes.get("mean", F32)),
+        invstd=(1.0 / np.sqrt(var + EPS)).astype(dtypes.get("invstd", F32)),
+        weight=rand(rng, (c,), dtypes.get("weight", dtype), 0.5, 1.5) if weight else None,
+        inputG=flags[0],
+        weightG=flags[1],
+        biasG=flags[2],
+    )
+    enabled = dict(zip(("inputG", "weightG", "biasG"), flags))
+    for name, flag in REDUCE_FLAGS.items():
+        p[name] = sentinel_like((c,), dtypes.get(name, F32)) if enabled[flag] else None
+    return p
+
+
+def reduce_reference(p: dict) -> dict[str, np.ndarray]:
+    """The documented formula in float64 on the call's (already rounded) inputs: every output."""
+    x, g = np.asarray(p["input"], np.float64), np.asarray(p["gradOut"], np.float64)
+    axes = tuple(i for i in range(x.ndim) if i != 1)
+    bshape = (1, x.shape[1]) + (1,) * (x.ndim - 2)
+    mean = np.asarray(p["mean"], np.float64).reshape(bshape)
+    sum_dy, sum_dy_xmu = g.sum(axis=axes), (g * (x - mean)).sum(axis=axes)
+    return {
+        "sumDy": sum_dy,
+        "sumDyXmu": sum_dy_xmu,
+        "gradWeight": sum_dy_xmu * np.asarray(p["invstd"], np.float64),
+        "gradBias": sum_dy,
+    }

@@ -14,13 +14,14 @@ import re
 import numpy as np
 import pytest
 from batch_norm_cases import bn_call, elemt_call
+from batch_norm_forward_cases import forward_call
 from group_norm_cases import group_norm_backward_call, group_norm_call
 from layer_norm_cases import layer_norm_call
 from layer_norm_forward_cases import layer_norm_forward_call
 from oracle import BF16, assert_close
 from rms_norm_cases import rms_norm_call, rms_norm_grad_call
+from sync_batch_norm_cases import REDUCE_OUTPUTS, gather_call, reduce_call, stats_call
 from sync_batch_norm_cases import elemt_call as sync_elemt_call
-from sync_batch_norm_cases import gather_call, stats_call
 from test_grpc_abuse import Server
 from test_layer_norm_grad import lng_call
 
@@ -41,6 +42,8 @@ OUTPUTS = {
     "aclnnBatchNormStats": ("mean", "invstd"),
     "aclnnBatchNormGatherStatsWithCounts": ("meanAll", "invstdAll"),
     "aclnnBatchNormElemt": ("output",),
+    "aclnnBatchNormReduceBackward": REDUCE_OUTPUTS,
+    "aclnnBatchNorm": ("output", "saveMean", "saveInvstd"),
 }
 
 
@@ -66,6 +69,11 @@ def cases() -> list[tuple[str, dict]]:
         # No running statistics: calls sharing one in/out array would update it in any order.
         ("aclnnBatchNormGatherStatsWithCounts", gather_call(rng, 64, 8, running=False)),
         ("aclnnBatchNormElemt", sync_elemt_call(rng, (8, 16, 32, 32))),
+        ("aclnnBatchNormReduceBackward", reduce_call(rng, (8, 16, 32, 32))),
+        ("aclnnBatchNormReduceBackward", reduce_call(rng, (4, 3, 5), flags=(True, False, True))),
+        # Training without running statistics (shared in/out arrays); inference reads them only.
+        ("aclnnBatchNorm", forward_call(rng, (8, 16, 32, 32), running=False)),
+        ("aclnnBatchNorm", dict(forward_call(rng, (4, 3, 5), training=False), saveMean=None, saveInvstd=None)),
     ]
 
 

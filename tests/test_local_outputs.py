@@ -7,6 +7,8 @@ import tracemalloc
 
 import numpy as np
 import pytest
+from batch_norm_forward_cases import OP as BN
+from batch_norm_forward_cases import check, forward_call, forward_reference, snapshot
 from layer_norm_cases import layer_norm_call
 from test_layer_norm_backward import OP, OUTPUTS, check_against_reference
 
@@ -34,6 +36,24 @@ def test_outputs_are_computed_in_place(local, rng):
         tracemalloc.stop()
     check_against_reference(p)
     assert peak <= scratch + (64 << 10) < p["gradInputOut"].nbytes  # the workspace (and a little change), no output
+
+
+def test_in_out_tensors_do_not_prevent_computing_in_place(local, rng):
+    """aclnnBatchNorm's running statistics are an input and an output: the caller's arrays still take
+    every result directly (no output-sized allocation), the running statistics updated in place."""
+    p = forward_call(rng, (64, 16, 4096))
+    scratch, executor = local.get_workspace_size(BN, **p)
+    local.destroy_executor(executor)
+    local.run(BN, **dict(p, runningMean=p["runningMean"].copy(), runningVar=p["runningVar"].copy()))  # warm
+    ref, before = forward_reference(p), snapshot(p)
+    tracemalloc.start()
+    try:
+        local.run(BN, **p)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    check(p, ref, before)
+    assert peak <= scratch + (64 << 10) < p["output"].nbytes
 
 
 def test_output_overlapping_an_input_gets_a_fresh_array(local, rng):

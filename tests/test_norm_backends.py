@@ -1,4 +1,4 @@
-"""The forward norms, RMSNorm, GroupNorm and SyncBatchNorm's helpers on the torch and npu backends.
+"""The forward norms (aclnnBatchNorm too), RMSNorm, GroupNorm and SyncBatchNorm's helpers on the torch and npu backends.
 
 The conformance suites (tests/conformance.py) already run these operators on both backends; here
 each call (aclnnLayerNorm, the RMSNorm and GroupNorm pairs, aclnnBatchNormStats, ...GatherStatsWithCounts,
@@ -17,10 +17,12 @@ from collections.abc import Callable
 
 import numpy as np
 import pytest
+import test_batch_norm_reduce_backward
 import test_group_norm
 import test_layer_norm_forward
 import test_rms_norm
 import test_sync_batch_norm
+from batch_norm_forward_cases import check, forward_call, forward_reference, snapshot
 from fake_cann.build import FakeCann, build
 from group_norm_cases import group_norm_backward_call, group_norm_call
 from layer_norm_forward_cases import layer_norm_forward_call
@@ -31,6 +33,7 @@ from sync_batch_norm_cases import (
     elemt_reference,
     gather_call,
     gather_reference,
+    reduce_call,
     stats_call,
     stats_reference,
 )
@@ -64,6 +67,13 @@ def _elemt(rng: np.random.Generator, dtype: np.dtype) -> tuple[dict, Callable[[]
     return p, lambda: assert_close(p["output"], elemt_reference(p), "output")
 
 
+def _batch_norm(rng: np.random.Generator, dtype: np.dtype) -> tuple[dict, Callable[[], None]]:
+    """Training: the reference is taken before the call (runningMean/runningVar change in place)."""
+    p = forward_call(rng, (4, 3, 5, 2), dtype=dtype)
+    ref, before = forward_reference(p), snapshot(p)
+    return p, lambda: check(p, ref, before)
+
+
 # operator -> (rng, dtype) -> (a valid call, the check of its outputs)
 CASES: dict[str, Callable[[np.random.Generator, np.dtype], tuple[dict, Callable[[], None]]]] = {
     "aclnnLayerNorm": lambda rng, dt: _checked(
@@ -82,6 +92,10 @@ CASES: dict[str, Callable[[np.random.Generator, np.dtype], tuple[dict, Callable[
     "aclnnBatchNormStats": _stats,
     "aclnnBatchNormGatherStatsWithCounts": _gather,
     "aclnnBatchNormElemt": _elemt,
+    "aclnnBatchNormReduceBackward": lambda rng, dt: _checked(
+        reduce_call(rng, (4, 3, 5, 2), dt), test_batch_norm_reduce_backward.check
+    ),
+    "aclnnBatchNorm": _batch_norm,
 }
 DTYPES = [np.float32, F16, BF16]
 
@@ -162,6 +176,18 @@ def test_npu_backend_runs_it_through_aclnn(fake, npu_backend, no_reference, rng,
         k: before[k] for k in ("tensor", "intArray", "boolArray", "executor")
     }
     assert fake.misuse[0] == misuse, fake.misuse[1]
+
+
+@pytest.mark.parametrize("flags", [(True, False, True), (False, True, False), (False, False, True)], ids=str)
+def test_reduce_backward_flags_reach_each_backend(torch_client, fake, npu_backend, no_reference, rng, flags):
+    """inputG/weightG/biasG: a disabled output is a null pointer to CANN and None to torch; only the
+    enabled ones are written."""
+    for client in (torch_client, LocalClient(npu_backend)):
+        p = reduce_call(rng, (3, 4, 5), flags=flags)
+        off = {n: np.full(4, -7.25, np.float32) for n in ("sumDy", "gradWeight") if p[n] is None}
+        client.run("aclnnBatchNormReduceBackward", **{**p, **off})
+        test_batch_norm_reduce_backward.check(p)
+        assert all((o == -7.25).all() for o in off.values())
 
 
 @pytest.mark.parametrize("mask", [(True, False, True), (False, True, False), (False, False, True)])

@@ -146,10 +146,41 @@ def test_batch_norm_scratch_is_bounded_and_reported(rng, dtype):
 
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+def test_batch_norm_reduce_backward_scratch_is_bounded_and_reported(rng, dtype):
+    """ReduceBackward (BatchNormBackward's sums pass: whole-channel tiles, and tiles shared out for
+    short rows) allocates at most its workspace_size, well below one input."""
+    from sync_batch_norm_cases import REDUCE_OUTPUTS, reduce_call
+
+    for shape in ((32, 64, 56, 56), (2048, 64, 6, 6), (40000, 64)):
+        p = reduce_call(rng, shape, dtype)
+        size, peak = peak_scratch("aclnnBatchNormReduceBackward", p, REDUCE_OUTPUTS)
+        assert peak <= size <= SCRATCH_BOUND
+
+
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+def test_batch_norm_forward_scratch_is_bounded_and_reported(rng, dtype, training):
+    """aclnnBatchNorm (statistics, then normalization, tile by tile; gathered tiles of a strided view)
+    allocates at most its workspace_size, well below one input."""
+    from batch_norm_forward_cases import forward_call
+
+    # Whole-channel tiles, channel-major tiles of short rows, rows of channels (T = 1, as NHWC).
+    for shape in ((32, 64, 56, 56), (2048, 64, 6, 6), (50176, 64)):
+        p = forward_call(rng, shape, 1, dtype, training, params=np.float32)
+        size, peak = peak_scratch("aclnnBatchNorm", p, ("output",), channel_axis=1, placeholders={})
+        assert peak <= size <= SCRATCH_BOUND
+    p = forward_call(rng, (32, 64, 28, 28), 1, dtype, training)
+    p["input"] = np.asfortranarray(p["input"])  # tiles gathered from a view whose dims do not merge
+    size, peak = peak_scratch("aclnnBatchNorm", p, ("output",), channel_axis=1, placeholders={})
+    assert peak <= size <= SCRATCH_BOUND
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
 def test_results_do_not_depend_on_the_worker_count(rng, dtype, monkeypatch):
     """Blocks (LayerNorm), channel chunks (BatchNorm) and the tiles of one chunk (channel-last
     BatchNorm) on 1, 2 or 3 threads: the same bits."""
     from batch_norm_cases import BN_OUTPUTS, bn_call, with_format
+    from sync_batch_norm_cases import REDUCE_OUTPUTS, reduce_call
 
     from aclnn_client import Format
 
@@ -158,6 +189,8 @@ def test_results_do_not_depend_on_the_worker_count(rng, dtype, monkeypatch):
         ("aclnnLayerNormBackward", layer_norm_call(rng, (3000, 700), 1, dtype, "float32"), ln_outputs, None),
         ("aclnnBatchNormBackward", bn_call(rng, (64, 96, 30, 30), 1, dtype, "float32"), BN_OUTPUTS, None),
         ("aclnnBatchNormBackward", bn_call(rng, (8, 30, 40, 700), 3, dtype, "float32"), BN_OUTPUTS, Format.NHWC),
+        ("aclnnBatchNormReduceBackward", reduce_call(rng, (64, 96, 30, 30), dtype), REDUCE_OUTPUTS, None),
+        ("aclnnBatchNormReduceBackward", reduce_call(rng, (40000, 30), dtype), REDUCE_OUTPUTS, None),
     )
     results = []
     for workers in (1, 2, 3):

@@ -25,7 +25,7 @@ SYNC_OPS = {
     "aclnnBatchNormStats",
     "aclnnBatchNormGatherStatsWithCounts",
     "aclnnBatchNormElemt",
-    "aclnnBatchNormBackward",  # the reduce step, until aclnnBatchNormReduceBackward is served
+    "aclnnBatchNormReduceBackward",
     "aclnnBatchNormElemtBackward",
 }
 
@@ -120,7 +120,7 @@ def worker(rank: int, store: str, cases: list[tuple[list[int], str | None]]) -> 
             ops = train_half(rank, split, CountingRemoteClient(address) if address else CountingClient())
             if split[rank]:  # per step and layer: stats, gather, elemt; reduce, elemt backward
                 assert set(ops) == SYNC_OPS, ops
-                assert ops.count("aclnnBatchNormStats") == ops.count("aclnnBatchNormBackward") == 3 * 3
+                assert ops.count("aclnnBatchNormStats") == ops.count("aclnnBatchNormReduceBackward") == 3 * 3
                 assert ops.count("aclnnBatchNormElemtBackward") == 3 * 3
             else:  # an empty batch only takes part in the reductions (and updates its running statistics)
                 assert set(ops) == {"aclnnBatchNormGatherStatsWithCounts"}, ops

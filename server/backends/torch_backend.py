@@ -6,10 +6,12 @@ folded to `[N, C, -1]`); LayerNormGrad and aclnnBatchNormElemtBackward are compo
 torch ops. Their inputs are widened to float32 on the host, the math runs in float32 on the
 device, and each result is cast to its output's dtype (bf16 via ml_dtypes on the host).
 aclnnLayerNorm, aclnnGroupNorm and aclnnGroupNormBackward are `aten.native_layer_norm`,
-`aten.native_group_norm` and `aten.native_group_norm_backward`; the RMSNorm pair and SyncBatchNorm's
-helpers (aclnnBatchNormStats, aclnnBatchNormGatherStatsWithCounts, aclnnBatchNormElemt: aten has
-them on CUDA only) are their documented formulas. These run wholly in the accumulation dtype below
-(float64 on cpu and cuda), each output rounded once to its dtype.
+`aten.native_group_norm` and `aten.native_group_norm_backward`, aclnnBatchNorm is
+`aten.native_batch_norm` (laid out as its backward; aten updates the running statistics); the
+RMSNorm pair and SyncBatchNorm's helpers (aclnnBatchNormStats, aclnnBatchNormGatherStatsWithCounts,
+aclnnBatchNormElemt, aclnnBatchNormReduceBackward: aten has them on CUDA only) are their documented
+formulas. These run wholly in the accumulation dtype below (float64 on cpu and cuda), each output
+rounded once to its dtype.
 Parameter gradients of LayerNorm (sums over all rows) are taken in float64 where the device
 has it (cpu, cuda), so that long reductions meet SPEC 1.5's fp32 tolerance. LayerNorm's
 gradInput follows SPEC 3.2's formula (row sums in that precision too) rather than aten's
@@ -40,6 +42,8 @@ ACC_DTYPE_OPS = frozenset(
         "aclnnBatchNormStats",
         "aclnnBatchNormGatherStatsWithCounts",
         "aclnnBatchNormElemt",
+        "aclnnBatchNormReduceBackward",
+        "aclnnBatchNorm",
     }
 )
 
@@ -84,6 +88,8 @@ class TorchBackend:
             "aclnnBatchNormStats": self._batch_norm_stats,
             "aclnnBatchNormGatherStatsWithCounts": self._batch_norm_gather_stats,
             "aclnnBatchNormElemt": self._batch_norm_elemt,
+            "aclnnBatchNormReduceBackward": self._batch_norm_reduce_backward,
+            "aclnnBatchNorm": self._batch_norm,
         }
 
     # ------------------------------------------------------------------ Backend protocol
@@ -382,3 +388,48 @@ class TorchBackend:
         if b is not None:
             y = y + b
         self._store(a["output"], y)
+
+    def _batch_norm_reduce_backward(self, a: dict[str, Any], plan: Plan) -> None:
+        """Disabled outputs are None (their flag was false): _store skips them."""
+        x = a["input"]
+        if x.size == 0:  # CANN: zeros in the enabled outputs
+            for name in ("sumDy", "sumDyXmu", "gradWeight", "gradBias"):
+                if a[name] is not None:
+                    a[name][...] = 0
+            return
+        c = x.shape[1]  # dim 1, whatever the format tag
+        axes = [0, *range(2, x.ndim)]
+        g = self._w(a["gradOut"])
+        sum_dy = g.sum(axes)
+        sum_dy_xmu = (g * (self._w(x) - self._w(a["mean"]).reshape((1, c) + (1,) * (x.ndim - 2)))).sum(axes)
+        self._store(a["sumDy"], sum_dy)
+        self._store(a["sumDyXmu"], sum_dy_xmu)
+        self._store(a["gradWeight"], sum_dy_xmu * self._w(a["invstd"]).reshape(c))
+        self._store(a["gradBias"], sum_dy)
+
+    def _batch_norm(self, a: dict[str, Any], plan: Plan) -> None:
+        x = a["input"]
+        if x.size == 0:  # CANN: saveMean 0 and saveInvstd NaN whenever given, nothing else written
+            for name, value in (("saveMean", 0), ("saveInvstd", np.nan)):
+                if a[name] is not None:
+                    a[name][...] = value
+            return
+        torch, axis, training = self.torch, a["channel_axis"], bool(a["training"])
+        xt = self._w(x).movedim(axis, 1)  # channel-last tags: to channel-first
+        moved = xt.shape
+        c = moved[1]
+        if x.ndim > 5:
+            xt = xt.reshape(moved[0], c, -1)
+        rm, rv = self._w(a["runningMean"]), self._w(a["runningVar"])
+        if not training or (rm is None) != (rv is None):  # aten takes both or neither: CANN's defaults stand in
+            rm = torch.zeros(c, dtype=self.acc_dtype, device=self.device) if rm is None else rm
+            rv = torch.ones(c, dtype=self.acc_dtype, device=self.device) if rv is None else rv
+        y, mean, invstd = torch.ops.aten.native_batch_norm(
+            xt, self._w(a["weight"]), self._w(a["bias"]), rm, rv, training, float(a["momentum"]), float(a["eps"])
+        )
+        self._store(a["output"], y.reshape(moved).movedim(1, axis))
+        if training:  # aten updated rm/rv in place (unbiased variance)
+            self._store(a["saveMean"], mean)
+            self._store(a["saveInvstd"], invstd)
+            self._store(a["runningMean"], rm)
+            self._store(a["runningVar"], rv)

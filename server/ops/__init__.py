@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from ..registry import Operator
 from . import (
+    batch_norm,
     batch_norm_backward,
     batch_norm_elemt,
     batch_norm_elemt_backward,
     batch_norm_gather_stats_with_counts,
+    batch_norm_reduce_backward,
     batch_norm_stats,
     group_norm,
     group_norm_backward,
@@ -33,5 +35,7 @@ OPERATORS: dict[str, Operator] = {
         batch_norm_stats,
         batch_norm_gather_stats_with_counts,
         batch_norm_elemt,
+        batch_norm_reduce_backward,
+        batch_norm,
     )
 }

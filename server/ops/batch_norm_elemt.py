@@ -81,18 +81,28 @@ def compute(input, weight, bias, mean, invstd, eps, output) -> None:
         return np.full(n_c, default) if t is None else t.reshape(-1).astype(np.float64)
 
     with np.errstate(invalid="ignore", over="ignore"):
-        scale = vec(invstd, 1.0) * vec(weight, 1.0)
-        mu = vec(mean, 0.0).astype(np.float32)
-        b = vec(bias, 0.0).astype(np.float32)
-        scale32 = scale.astype(np.float32)
-        out = output.reshape(x.shape)
-        for tile in tiles(x.shape):
-            cs = tile[1]
-            xb = widened(x[tile])
-            xb -= mu[cs, None]
-            xb *= scale32[cs, None]
-            xb += b[cs, None]
-            store(out[tile], xb)
+        normalize(x, output, vec(mean, 0.0), vec(invstd, 1.0) * vec(weight, 1.0), vec(bias, 0.0))
+
+
+def normalize(x: Tiles, output: np.ndarray, mean: np.ndarray, scale: np.ndarray, bias: np.ndarray) -> None:
+    """output = (x − mean[c])·scale[c] + bias[c] over the tiles of the [L, C, T] view `x` (also
+    aclnnBatchNorm's): the per-channel vectors rounded to fp32 once, the elements in fp32.
+    `output` is C-ordered (the engine's result array), so it reshapes to x's view.
+
+    x − μ is exact in fp32 for x near μ = fp32(mean); what rounding took from an fp64 mean moves
+    into the bias, (mean − μ)·scale, so data far from zero with a small spread keep their accuracy."""
+    mu = mean.astype(np.float32)
+    s = scale.astype(np.float32)
+    lost = mean - mu
+    b = (bias - np.where(lost != 0, lost * scale, 0)).astype(np.float32)  # not 0·inf: an infinite scale stays
+    out = output.reshape(x.shape)
+    for tile in tiles(x.shape):
+        cs = tile[1]
+        xb = widened(x[tile])
+        xb -= mu[cs, None]
+        xb *= s[cs, None]
+        xb += b[cs, None]
+        store(out[tile], xb)
 
 
 OPERATOR = Operator("aclnnBatchNormElemt", SIGNATURE, validate, workspace_size, compute)

@@ -16,7 +16,8 @@
  *     live until aclDestroyAclOpExecutor); a launch checks the workspace it is given;
  *   - aclnnLayerNormBackward, aclnnBatchNormBackward, aclnnBatchNormElemtBackward, aclnnLayerNorm,
  *     aclnnRmsNorm, aclnnRmsNormGrad, aclnnGroupNorm, aclnnGroupNormBackward, aclnnBatchNormStats,
- *     aclnnBatchNormGatherStatsWithCounts and aclnnBatchNormElemt are computed in C
+ *     aclnnBatchNormGatherStatsWithCounts, aclnnBatchNormElemt, aclnnBatchNorm and
+ *     aclnnBatchNormReduceBackward are computed in C
  *     in double (FLOAT, FLOAT16 via _Float16, BF16 by bit conversion; any strides);
  *     other dtypes get ACLNN_ERR_INNER_FIND_KERNEL_ERROR (561003).
  *
@@ -186,11 +187,12 @@ typedef struct aclTensor {
 typedef struct aclIntArray { int64_t *v; uint64_t n; } aclIntArray;
 typedef struct aclBoolArray { bool *v; uint64_t n; } aclBoolArray;
 
-enum { OP_LN, OP_BN, OP_ELEMT, OP_LNF, OP_RMS, OP_RMS_GRAD, OP_GN, OP_GN_BWD, OP_BNS, OP_BNG, OP_BNE };
+enum { OP_LN, OP_BN, OP_ELEMT, OP_LNF, OP_RMS, OP_RMS_GRAD, OP_GN, OP_GN_BWD, OP_BNS, OP_BNG, OP_BNE, OP_BNF, OP_BNRB };
 static const char *op_names[] = {"aclnnLayerNormBackward", "aclnnBatchNormBackward", "aclnnBatchNormElemtBackward",
                                  "aclnnLayerNorm",         "aclnnRmsNorm",           "aclnnRmsNormGrad",
                                  "aclnnGroupNorm",         "aclnnGroupNormBackward", "aclnnBatchNormStats",
-                                 "aclnnBatchNormGatherStatsWithCounts", "aclnnBatchNormElemt"};
+                                 "aclnnBatchNormGatherStatsWithCounts", "aclnnBatchNormElemt", "aclnnBatchNorm",
+                                 "aclnnBatchNormReduceBackward"};
 #define MAX_T 12
 
 typedef struct aclOpExecutor {
@@ -677,7 +679,9 @@ enum { GB_G, GB_X, GB_MEAN, GB_RSTD, GB_GAMMA, GB_DX, GB_DGAMMA, GB_DBETA };
 enum { BNS_X, BNS_MEAN, BNS_INVSTD };
 enum { BNG_X, BNG_MEAN, BNG_INVSTD, BNG_RM, BNG_RV, BNG_COUNTS, BNG_MEAN_ALL, BNG_INVSTD_ALL };
 enum { BNE_X, BNE_W, BNE_B, BNE_MEAN, BNE_INVSTD, BNE_Y };
-static const int n_slots[] = {9, 10, 9, 6, 4, 6, 6, 8, 3, 8, 6};
+enum { BNF_X, BNF_W, BNF_B, BNF_RM, BNF_RV, BNF_Y, BNF_SM, BNF_SI };
+enum { BNR_G, BNR_X, BNR_MEAN, BNR_INVSTD, BNR_W, BNR_SDY, BNR_SDYXMU, BNR_DW, BNR_DB };
+static const int n_slots[] = {9, 10, 9, 6, 4, 6, 6, 8, 3, 8, 6, 8, 9};
 
 #define T(k) (ex->has[k] ? &ex->t[k] : NULL)
 
@@ -961,6 +965,73 @@ static void bne_kernel(aclOpExecutor *ex) {
     }
 }
 
+/* aclnnBatchNorm: the batch's statistics (training; two passes, running stats in place, unbiased variance)
+   or the running ones (null: mean 0, variance 1), then (x - mean) * invstd * weight + bias on the channel
+   axis; an empty input only fills saveMean with 0 and saveInvstd with NaN */
+static void bnf_kernel(aclOpExecutor *ex) {
+    const aclTensor *x = T(BNF_X), *w = T(BNF_W), *b = T(BNF_B), *rm = T(BNF_RM), *rv = T(BNF_RV), *y = T(BNF_Y),
+                    *sm = T(BNF_SM), *si = T(BNF_SI);
+    if (numel(x) == 0) {
+        for (int64_t i = 0, k = sm ? numel(sm) : 0; i < k; i++) wr(sm, i, 0.0);
+        for (int64_t i = 0, k = si ? numel(si) : 0; i < k; i++) wr(si, i, NAN);
+        return;
+    }
+    int ca = channel_axis(x);
+    int64_t c_n = x->dims[ca], l_n = 1, t_n = 1;
+    for (int d = 0; d < ca; d++) l_n *= x->dims[d];
+    for (uint64_t d = ca + 1; d < x->ndim; d++) t_n *= x->dims[d];
+    double n = (double)(l_n * t_n), m = ex->momentum;
+    for (int64_t c = 0; c < c_n; c++) {
+        double mu = 0, var = 0;
+        if (ex->training) {
+            for (int64_t l = 0; l < l_n; l++)
+                for (int64_t t = 0; t < t_n; t++) mu += rd(x, (l * c_n + c) * t_n + t);
+            mu /= n;
+            for (int64_t l = 0; l < l_n; l++)
+                for (int64_t t = 0; t < t_n; t++) { double u = rd(x, (l * c_n + c) * t_n + t) - mu; var += u * u; }
+            var /= n;
+            wr(sm, c, mu);
+            wr(si, c, 1.0 / sqrt(var + ex->eps));
+            if (rm) wr(rm, c, (1 - m) * rd(rm, c) + m * mu);
+            if (rv) wr(rv, c, (1 - m) * rd(rv, c) + m * var * n / (n - 1));
+        } else {
+            mu = rm ? rd(rm, c) : 0.0;
+            var = rv ? rd(rv, c) : 1.0;
+        }
+        double s = (w ? rd(w, c) : 1.0) / sqrt(var + ex->eps), bc = b ? rd(b, c) : 0.0;
+        for (int64_t l = 0; l < l_n; l++)
+            for (int64_t t = 0; t < t_n; t++) {
+                int64_t i = (l * c_n + c) * t_n + t;
+                wr(y, i, (rd(x, i) - mu) * s + bc);
+            }
+    }
+}
+
+/* aclnnBatchNormReduceBackward: per channel (dim 1) sumDy = sum g, sumDyXmu = sum g * (x - mean),
+   gradWeight = sumDyXmu * invstd, gradBias = sum g, each when its flag (ex->mask) is true; weight is
+   not read; an empty input gives zeros */
+static void bnrb_kernel(aclOpExecutor *ex) {
+    const aclTensor *g = T(BNR_G), *x = T(BNR_X), *mean = T(BNR_MEAN), *invstd = T(BNR_INVSTD);
+    const aclTensor *sdy = ex->mask[0] ? T(BNR_SDY) : NULL, *sdyxmu = ex->mask[0] ? T(BNR_SDYXMU) : NULL,
+                    *dw = ex->mask[1] ? T(BNR_DW) : NULL, *db = ex->mask[2] ? T(BNR_DB) : NULL;
+    int64_t l_n, c_n, t_n;
+    channel_split(x, &l_n, &c_n, &t_n);
+    for (int64_t c = 0; c < c_n; c++) {
+        double mu = rd(mean, c), s1 = 0, s2 = 0;
+        for (int64_t l = 0; l < l_n; l++)
+            for (int64_t t = 0; t < t_n; t++) {
+                int64_t i = (l * c_n + c) * t_n + t;
+                double gv = rd(g, i);
+                s1 += gv;
+                s2 += gv * (rd(x, i) - mu);
+            }
+        if (sdy) wr(sdy, c, s1);
+        if (sdyxmu) wr(sdyxmu, c, s2);
+        if (dw) wr(dw, c, numel(x) ? s2 * rd(invstd, c) : 0.0);
+        if (db) wr(db, c, s1);
+    }
+}
+
 static uint64_t required_workspace(const aclOpExecutor *ex) {
     if (ex->op == OP_LNF || ex->op == OP_RMS || ex->op == OP_GN || ex->op >= OP_BNS) return 0;
     if (ex->op == OP_RMS_GRAD) return (uint64_t)(numel(&ex->t[RG_GAMMA]) * sizeof(double));
@@ -1000,6 +1071,8 @@ static aclnnStatus run_kernel(aclOpExecutor *ex, void *ws) {
     case OP_BNS: bns_kernel(ex); break;
     case OP_BNG: bng_kernel(ex); break;
     case OP_BNE: bne_kernel(ex); break;
+    case OP_BNF: bnf_kernel(ex); break;
+    case OP_BNRB: bnrb_kernel(ex); break;
     }
     return ACLNN_SUCCESS;
 }
@@ -1019,7 +1092,8 @@ static aclnnStatus make_executor(int op, const aclTensor **ts, const int *requir
         if (required[k] && !ts[k]) { set_err("EZ1001: %s: tensor %d is null", fn, k); return ACLNN_ERR_PARAM_NULLPTR; }
     if (mask && mask->n != 3) { set_err("EZ1001: %s: outputMask length %lu", fn, (unsigned long)mask->n); return ACLNN_ERR_PARAM_INVALID; }
     for (int k = 0; k < n_slots[op]; k++)
-        if (ts[k] && !is_float(ts[k]->dtype) && !(op == OP_ELEMT && k == EL_COUNTER && ts[k]->dtype == DT_INT32)) {
+        if (ts[k] && !is_float(ts[k]->dtype) && !(op == OP_ELEMT && k == EL_COUNTER && ts[k]->dtype == DT_INT32) &&
+            !(op == OP_BNRB && k == BNR_W)) { /* CANN casts that weight, whatever its dtype, and never reads it */
             set_err("EZ1001: %s: no kernel for data type %d of tensor %d", fn, ts[k]->dtype, k);
             return ACLNN_ERR_INNER_FIND_KERNEL_ERROR;
         }
@@ -1276,6 +1350,42 @@ EXPORT aclnnStatus aclnnBatchNormElemtGetWorkspaceSize(const aclTensor *input, c
     return rc;
 }
 LAUNCH_ENTRY(aclnnBatchNormElemt, OP_BNE)
+
+EXPORT aclnnStatus aclnnBatchNormReduceBackwardGetWorkspaceSize(
+    const aclTensor *gradOut, const aclTensor *input, const aclTensor *mean, const aclTensor *invstd,
+    const aclTensor *weight, bool inputG, bool weightG, bool biasG, aclTensor *sumDy, aclTensor *sumDyXmu,
+    aclTensor *gradWeight, aclTensor *gradBias, uint64_t *workspaceSize, aclOpExecutor **executor) {
+    const aclTensor *ts[] = {gradOut, input, mean, invstd, weight, sumDy, sumDyXmu, gradWeight, gradBias};
+    int required[] = {1, 1, 1, 1, 0, inputG, inputG, weightG, biasG};
+    bool flags[] = {inputG, weightG, biasG}; /* kept as the executor's output mask */
+    aclBoolArray mask = {flags, 3};
+    pthread_mutex_lock(&mu);
+    aclnnStatus rc = make_executor(OP_BNRB, ts, required, NULL, &mask, false, 0, workspaceSize, executor);
+    pthread_mutex_unlock(&mu);
+    return rc;
+}
+LAUNCH_ENTRY(aclnnBatchNormReduceBackward, OP_BNRB)
+
+EXPORT aclnnStatus aclnnBatchNormGetWorkspaceSize(const aclTensor *input, const aclTensor *weight, const aclTensor *bias,
+                                                  aclTensor *runningMean, aclTensor *runningVar, bool training,
+                                                  double momentum, double eps, aclTensor *output, aclTensor *saveMean,
+                                                  aclTensor *saveInvstd, uint64_t *workspaceSize,
+                                                  aclOpExecutor **executor) {
+    const aclTensor *ts[] = {input, weight, bias, runningMean, runningVar, output, saveMean, saveInvstd};
+    int required[] = {1, 0, 0, 0, 0, 1, training, training};
+    pthread_mutex_lock(&mu);
+    aclnnStatus rc;
+    if (input && output && (!training || (saveMean && saveInvstd)) && numel(input) == 0) {
+        /* as CANN: an empty input returns before any other check; only the saved statistics are written */
+        const aclTensor *kept[] = {input, NULL, NULL, NULL, NULL, NULL, saveMean, saveInvstd};
+        int none[8] = {0};
+        rc = make_executor(OP_BNF, kept, none, NULL, NULL, training, eps, workspaceSize, executor);
+    } else rc = make_executor(OP_BNF, ts, required, NULL, NULL, training, eps, workspaceSize, executor);
+    if (rc == ACLNN_SUCCESS) (*executor)->momentum = momentum;
+    pthread_mutex_unlock(&mu);
+    return rc;
+}
+LAUNCH_ENTRY(aclnnBatchNorm, OP_BNF)
 
 /* ---------------------------------------------------------------- test hooks */
 

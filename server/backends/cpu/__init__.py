@@ -44,6 +44,7 @@ def kernel_modules() -> dict[str, ModuleType]:
     _jit.configure_cache()
     _jit.pin_threading_layer()
     from . import (
+        batch_norm,
         batch_norm_backward,
         batch_norm_elemt_backward,
         group_norm_backward,
@@ -61,6 +62,7 @@ def kernel_modules() -> dict[str, ModuleType]:
         "aclnnRmsNorm": rms_norm,
         "aclnnRmsNormGrad": rms_norm_grad,
         "aclnnGroupNormBackward": group_norm_backward,
+        "aclnnBatchNorm": batch_norm,
     }
 
 

@@ -49,3 +49,36 @@ def row_sums(a, b, kind, shift, scale, n, acc_a, acc_ab):
         for lane in range(LANES):
             total_ab += np.float64(acc_ab[lane])
     return total_a, total_ab
+
+
+@numba.njit(inline="always")
+def shifted_sums(a, kind, shift, n, acc_d, acc_dd):
+    """(Σ d, Σ d²) with d = a − shift over a[:n], in fp64 from fp32 lanes per ROW_BLOCK as `row_sums`.
+
+    With `shift` near the mean, d is exact in fp32 and the variance Σd²/n − (Σd/n)² keeps its
+    accuracy however far the data sit from zero (BatchNorm's second pass; the first: shift 0).
+    """
+    total_d = 0.0
+    total_dd = 0.0
+    for j0 in range(0, n, ROW_BLOCK):
+        j1 = min(j0 + ROW_BLOCK, n)
+        acc_d[:] = 0
+        acc_dd[:] = 0
+        j = j0
+        while j + LANES <= j1:
+            aj = a[j : j + LANES]
+            for lane in range(LANES):
+                d = load(aj[lane], kind) - shift
+                acc_d[lane] += d
+                acc_dd[lane] += d * d
+            j += LANES
+        aj = a[j:j1]
+        for lane in range(j1 - j):
+            d = load(aj[lane], kind) - shift
+            acc_d[lane] += d
+            acc_dd[lane] += d * d
+        for lane in range(LANES):
+            total_d += np.float64(acc_d[lane])
+        for lane in range(LANES):
+            total_dd += np.float64(acc_dd[lane])
+    return total_d, total_dd

@@ -131,6 +131,26 @@ APIS: dict[str, AclnnApi] = {
             "aclnnBatchNormElemt",
             (*_t("input", "weight", "bias", "mean", "invstd"), ("double", "eps"), *_t("output")),
         ),
+        AclnnApi(
+            "aclnnBatchNormReduceBackward",
+            (
+                *_t("gradOut", "input", "mean", "invstd", "weight"),
+                ("bool", "inputG"),
+                ("bool", "weightG"),
+                ("bool", "biasG"),
+                *_t("sumDy", "sumDyXmu", "gradWeight", "gradBias"),
+            ),
+        ),
+        AclnnApi(
+            "aclnnBatchNorm",
+            (
+                *_t("input", "weight", "bias", "runningMean", "runningVar"),
+                ("bool", "training"),
+                ("double", "momentum"),
+                ("double", "eps"),
+                *_t("output", "saveMean", "saveInvstd"),
+            ),
+        ),
     )
 }
 

@@ -416,6 +416,11 @@ class NpuBackend:
             desc, layout, role = plan.inputs[name], input_layout(plan.inputs[name]), prepared.inputs
         elif name in plan.outputs:
             desc, layout, role = plan.outputs[name], output_layout(plan.outputs[name]), prepared.outputs
+        elif name in plan.values.get("placeholders", {}):
+            # A tensor CANN requires that this call neither reads nor writes (aclnnBatchNorm's output
+            # on an empty input): its descriptor, without device memory.
+            desc = plan.values["placeholders"][name]
+            layout, role, data = output_layout(desc), prepared.outputs, False
         else:
             return None  # an absent optional input or a masked-off output: a null pointer
         ptr = None
