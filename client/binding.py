@@ -9,6 +9,7 @@ its own storage, so everything after binding (transports included) sees only Num
 from __future__ import annotations
 
 import dataclasses
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -107,7 +108,8 @@ def bind(
     op: str, params: Mapping[str, Any], output_names: frozenset[str], inout_names: frozenset[str] = frozenset()
 ) -> BoundCall:
     """`inout_names`: tensors the operator reads and updates in place (also among the results)."""
-    params = {name: _host_array(name, arg) for name, arg in params.items()}
+    if "torch" in sys.modules:  # torch tensors exist only once the caller imported torch
+        params = {name: _host_array(name, arg) for name, arg in params.items()}
     values = {name: to_value(name, arg) for name, arg in params.items()}
     written = output_names | inout_names
     targets = {n: params[n] for n in written if isinstance(params.get(n), (np.ndarray, Tensor))}
@@ -122,8 +124,6 @@ def _host_array(name: str, arg: Any) -> Any:
 
     Results written to the view land in the tensor itself: outputs are filled in place.
     """
-    if arg is None or isinstance(arg, (np.ndarray, list, tuple, bool, int, float)):
-        return arg  # the common case, without looking for torch
     try:
         array = torch_array(arg)
         if array is not None:
