@@ -113,8 +113,6 @@ class Staging:
                 self.kept = True
 
     def results(self, replica: int, outputs: Mapping[str, pb.OutputTensor]) -> dict[str, Any]:
-        if not (self.kept or self.output_regions):  # every result inline (small calls)
-            return {name: decode_output(output) for name, output in outputs.items()}
         results: dict[str, Any] = {}
         for name, output in outputs.items():
             if output.handle:

@@ -60,8 +60,7 @@ class Admission:
         started = time.monotonic()
         give_up = min(deadline if deadline is not None else float("inf"), started + self.MAX_WAIT_S)
         with self._cond:
-            if deadline is not None and started >= deadline:
-                raise self._abandoned("deadline")
+            self._check_alive(deadline, cancelled, liveness_due=float("inf"))  # the deadline only
             hold = self._try_start(owner, nbytes, stream)
             if hold is None:
                 hold = self._wait_for_start(owner, nbytes, stream, deadline, give_up, cancelled)

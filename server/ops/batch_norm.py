@@ -37,7 +37,7 @@ from ..params import (
     tensor,
 )
 from ..registry import Operator, Plan, plan_from
-from .batch_norm_backward import CHANNEL_LAST, channel_axis
+from .batch_norm_backward import channel_axis, check_channel_last_rank
 from .batch_norm_elemt import normalize
 from .batch_norm_stats import channel_statistics
 from .rows import NUMPY_BUFFER, Tiles, tile_shape
@@ -86,9 +86,7 @@ def validate(p: CallParams) -> Plan:
         if t.rank == 5:
             check(t.format in RANK5_FORMATS, t.name, f"a 5-D tensor must be NCDHW or NDHWC, not {t.format.name}")
     check_plain_formats([x])
-    if x.format in CHANNEL_LAST:  # this service: channel-last tags at their rank only (aclnnBatchNormBackward's rule)
-        need = CHANNEL_LAST[x.format]
-        check(x.rank == need, "input", f"format {x.format.name} needs rank {need}, not {x.rank}")
+    check_channel_last_rank(x)  # this service: aclnnBatchNormBackward's rule
     check_plain_formats([*per_channel, *saved])  # this service: it cannot read private layouts
     for t in (x, out):  # 6 CheckShape
         check(2 <= t.rank <= 8, t.name, f"rank {t.rank} is outside 2..8")

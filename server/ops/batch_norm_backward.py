@@ -18,6 +18,7 @@ import numpy as np
 from aclnn_client.errors import null_error
 from aclnn_client.types import DataType, Format
 
+from ..descriptors import TensorDesc
 from ..params import (
     CallParams,
     Kind,
@@ -73,6 +74,13 @@ def channel_axis(fmt: Format, rank: int) -> int:
     return rank - 1 if fmt in CHANNEL_LAST else 1
 
 
+def check_channel_last_rank(t: TensorDesc) -> None:
+    """A channel-last tag (NHWC, NDHWC) only at its own rank: the channel axis is read from it."""
+    if t.format in CHANNEL_LAST:
+        need = CHANNEL_LAST[t.format]
+        check(t.rank == need, t.name, f"format {t.format.name} needs rank {need}, not {t.rank}")
+
+
 def validate(p: CallParams) -> Plan:
     """The error table of SPEC 5.4, row by row."""
     p.require("gradOut", "input", "training", "eps")  # 1
@@ -111,9 +119,7 @@ def validate(p: CallParams) -> Plan:
     for t in (x, grad_input):
         if t is not None:
             check(t.format == grad_out.format, t.name, f"format {t.format.name} must equal gradOut's")
-    if grad_out.format in CHANNEL_LAST:
-        need = CHANNEL_LAST[grad_out.format]
-        check(grad_out.rank == need, "gradOut", f"format {grad_out.format.name} needs rank {need}, not {grad_out.rank}")
+    check_channel_last_rank(grad_out)
     for t in main:  # 9
         check(2 <= t.rank <= 8, t.name, f"rank {t.rank} is outside 2..8")
     for t in (x, grad_input):
@@ -160,11 +166,17 @@ def workspace_size(plan: Plan) -> int:
     x = plan.inputs["input"]
     axis = plan.values["channel_axis"]
     shape = (math.prod(x.shape[:axis]), x.shape[axis], math.prod(x.shape[axis + 1 :]))
-    if not x.numel:
-        return (8 * 4 + 4 * 6) * shape[1]
+    return passes_scratch(shape) + (8 * 4 + 4 * 6) * shape[1]
+
+
+def passes_scratch(shape: tuple[int, int, int]) -> int:
+    """What ChannelPasses allocates for an [L, C, T] view beyond the per-channel vectors (nothing
+    when empty): per worker its tile buffers and NumPy's casting buffers, and partial sums in flight."""
+    if not math.prod(shape):
+        return 0
     l, c, t = tile_shape(shape)
     workers = workers_for(parallel_items(list(channel_chunks(shape))))
-    return workers * (4 * 4 * l * c * t + 2 * 8 * NUMPY_BUFFER) + (8 * 4 + 4 * 6) * shape[1] + (workers + 2) * 16 * c
+    return workers * (4 * 4 * l * c * t + 2 * 8 * NUMPY_BUFFER) + (workers + 2) * 16 * c
 
 
 class ChannelPasses:

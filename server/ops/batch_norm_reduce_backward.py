@@ -35,8 +35,8 @@ from ..params import (
     tensor,
 )
 from ..registry import Operator, Plan, plan_from
-from .batch_norm_backward import ChannelPasses, parallel_items
-from .rows import NUMPY_BUFFER, Tiles, channel_chunks, tile_shape, widened, workers_for
+from .batch_norm_backward import ChannelPasses, passes_scratch
+from .rows import Tiles, widened
 
 REQUIRED = ("gradOut", "input", "mean", "invstd")
 FLAGS = ("inputG", "weightG", "biasG")
@@ -89,16 +89,11 @@ def validate(p: CallParams) -> Plan:
 
 
 def workspace_size(plan: Plan) -> int:
-    """ChannelPasses' sums pass: per worker three fp32 tile buffers, a tile of transients (a gathered
-    strided tile, or fp16 widening's masks) and NumPy's casting buffers; fp64/fp32 per-channel
-    vectors; partial sums in flight. An empty input only zero-fills."""
+    """ChannelPasses' sums pass (`passes_scratch`) and fp64/fp32 per-channel vectors. An empty
+    input only zero-fills."""
     x = plan.inputs["input"]
     shape = (x.shape[0], x.shape[1], math.prod(x.shape[2:]))
-    if not x.numel:
-        return 0
-    l, c, t = tile_shape(shape)
-    workers = workers_for(parallel_items(list(channel_chunks(shape))))
-    return workers * (4 * 4 * l * c * t + 2 * 8 * NUMPY_BUFFER) + (4 * 8 + 5 * 4) * shape[1] + (workers + 2) * 16 * c
+    return passes_scratch(shape) + (4 * 8 + 5 * 4) * shape[1] if x.numel else 0
 
 
 def compute(
