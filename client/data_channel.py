@@ -23,6 +23,17 @@ else while it waits (the server takes a closed connection for a cancelled call):
               ancillary data, sealed against shrinking and growing; reply: the region's id (ASCII),
               valid in RegionSlice.region for this session
     UNREGISTER_REGION  payload = the region's id; reply: empty
+    MAILBOX   (Unix socket) payload = size:u64, with one memfd passed as SCM_RIGHTS, sealed like a
+              region, at most MAILBOX_MAX_BYTES: the connection's mailbox from now on (it replaces
+              a smaller one); reply: empty
+
+A CALL whose payload is larger than one Unix-socket buffer holds (MAILBOX_FROM) travels in the
+connection's mailbox instead: kind = CALL | IN_MAILBOX, the payload at the mailbox's start and
+nothing after the header. Over a stream socket such a payload arrives in pieces of ~36.5 KiB,
+each of which wakes a thread of the server; through the mailbox only the header moves, in one
+piece. The server reads the mailbox (pread, into memory of its own: the client can change the
+mailbox at any time) and never writes or maps it; replies come over the socket. A mailbox lives
+and dies with its connection.
 """
 
 from __future__ import annotations
@@ -42,11 +53,19 @@ from google.rpc import status_pb2
 
 from ._proto import aclnn_pb2 as pb
 from .errors import AclnnError, Status
+from .transfer import Region
 from .wire import decode_status
 
 MAGIC = b"ACLNNDC1"
 TICKET_BYTES = 16
-CALL, UPLOAD, DOWNLOAD, REGISTER_REGION, UNREGISTER_REGION = 1, 2, 3, 4, 5
+CALL, UPLOAD, DOWNLOAD, REGISTER_REGION, UNREGISTER_REGION, MAILBOX = 1, 2, 3, 4, 5, 6
+IN_MAILBOX = 0x80  # on a CALL's kind: the payload is in the connection's mailbox
+# A Unix-socket buffer holds ~36.5 KiB (one page-sized head and 32 KiB of pages): payloads above
+# this use the connection's mailbox, made on its first such payload (at least _MAILBOX_START_BYTES,
+# the payload's size rounded up to a power of two) and replaced by a larger one as payloads grow.
+MAILBOX_FROM = 32 << 10
+MAILBOX_MAX_BYTES = 16 << 20
+_MAILBOX_START_BYTES = 256 << 10
 REQUEST = struct.Struct("<BBqIQ")
 REPLY = struct.Struct("<BQ")
 REGION = struct.Struct("<Q")
@@ -110,6 +129,22 @@ def send(sock: socket.socket, header: bytes, payload: bytes | memoryview = b"") 
         sock.sendall(payload)
 
 
+class _Connection:
+    """A pooled connection, and over the Unix socket its mailbox once it has one."""
+
+    __slots__ = ("mailbox", "mailbox_refused", "sock")
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.mailbox: Region | None = None
+        self.mailbox_refused = False  # the server refused one: this connection sends its payloads inline
+
+    def close(self) -> None:
+        self.sock.close()
+        if self.mailbox is not None:
+            self.mailbox.close()
+
+
 def _lost(reason: object, code: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE) -> AclnnError:
     return AclnnError(Status.RUNTIME_ERROR, f"{code.name}: data channel: {reason}", grpc_code=code)
 
@@ -136,7 +171,7 @@ class DataChannel:
         self._server_hostname = server_hostname or (None if self.unix else address[0])
         self._ticket, self._open_ticket = ticket, open_ticket
         self._connect_timeout = connect_timeout
-        self._idle: list[tuple[socket.socket, float]] = []  # with the time each went idle
+        self._idle: list[tuple[_Connection, float]] = []  # with the time each went idle
         # More threads than connections wait for one: the server serves a bounded number anyway.
         self._slots = threading.BoundedSemaphore(max_connections)
         self._lock = threading.Lock()
@@ -149,25 +184,31 @@ class DataChannel:
     def close(self) -> None:
         with self._lock:
             idle, self._idle, self._closed = self._idle, [], True
-        for sock, _ in idle:
-            sock.close()
+        for conn, _ in idle:
+            conn.close()
 
     def warm(self) -> None:
         """Opens one connection into the pool now; raises what opening it raised."""
-        self._checkin(self._connect())
+        self._checkin(_Connection(self._connect()))
 
     def call(self, method: str, request: object, stream: int | None, timeout: float | None) -> object:
         """A unary call; the reply message, or the AclnnError the server answered with."""
         name = method.encode()
         payload = bytes([len(name)]) + name + request.SerializeToString()
-        with self._connection(timeout) as sock:
-            send(sock, _header(CALL, stream, timeout, len(payload)), payload)
-            reply = self._reply(sock)
+        with self._connection(timeout) as conn:
+            mailbox = self._mailbox(conn, len(payload), timeout) if self.unix and len(payload) > MAILBOX_FROM else None
+            if mailbox is not None:
+                mailbox.map[: len(payload)] = payload
+                conn.sock.sendall(_header(CALL | IN_MAILBOX, stream, timeout, len(payload)))
+            else:
+                send(conn.sock, _header(CALL, stream, timeout, len(payload)), payload)
+            reply = self._reply(conn.sock)
         return METHODS[method][1].FromString(reply)
 
     def upload(self, data: memoryview, timeout: float | None) -> str:
         """Stores the bytes on the server; returns their handle."""
-        with self._connection(timeout) as sock:
+        with self._connection(timeout) as conn:
+            sock = conn.sock
             sock.sendall(_header(UPLOAD, None, timeout, data.nbytes))
             self._reply(sock)  # the server holds room for the bytes
             sock.sendall(data)
@@ -177,7 +218,8 @@ class DataChannel:
     def download(self, handle: str, view: np.ndarray, timeout: float | None) -> None:
         """Receives a handle's bytes straight into `view` (through a bounce buffer when strided)."""
         payload = pb.TensorHandle(handle=handle).SerializeToString()
-        with self._connection(timeout) as sock:
+        with self._connection(timeout) as conn:
+            sock = conn.sock
             send(sock, _header(DOWNLOAD, None, timeout, len(payload)), payload)
             size = self._reply_header(sock)
             if size != view.nbytes:
@@ -200,10 +242,8 @@ class DataChannel:
             known = self._regions.get(region)
         if known is not None:
             return known
-        payload = REGION.pack(size)
-        with self._connection(timeout) as sock:
-            socket.send_fds(sock, [_header(REGISTER_REGION, None, timeout, len(payload)) + payload], [fd])
-            region_id = bytes(self._reply(sock)).decode()
+        with self._connection(timeout) as conn:
+            region_id = bytes(self._pass_memfd(conn.sock, REGISTER_REGION, fd, size, timeout)).decode()
         with self._lock:
             self._regions[region] = region_id
         return region_id
@@ -215,9 +255,9 @@ class DataChannel:
         if region_id is None:
             return
         payload = region_id.encode()
-        with self._connection(timeout) as sock:
-            send(sock, _header(UNREGISTER_REGION, None, timeout, len(payload)), payload)
-            self._reply(sock)
+        with self._connection(timeout) as conn:
+            send(conn.sock, _header(UNREGISTER_REGION, None, timeout, len(payload)), payload)
+            self._reply(conn.sock)
 
     def registered(self) -> list[object]:
         with self._lock:
@@ -228,10 +268,37 @@ class DataChannel:
         with self._lock:
             self._regions.clear()
 
+    def _mailbox(self, conn: _Connection, size: int, timeout: float | None) -> Region | None:
+        """A mailbox of the connection's for `size` bytes (a larger one is passed to the server now);
+        None: the bytes go through the socket."""
+        if conn.mailbox is not None and size <= conn.mailbox.size:
+            return conn.mailbox
+        if size > MAILBOX_MAX_BYTES or conn.mailbox_refused:
+            return None
+        mailbox = Region(max(_MAILBOX_START_BYTES, 1 << (size - 1).bit_length()), "aclnn-mailbox")
+        try:
+            self._pass_memfd(conn.sock, MAILBOX, mailbox.fd, mailbox.size, timeout)
+        except AclnnError:  # a server that takes no mailbox, or not one this large
+            mailbox.close()
+            conn.mailbox_refused = True
+            return None
+        except BaseException:
+            mailbox.close()
+            raise
+        if conn.mailbox is not None:
+            conn.mailbox.close()
+        conn.mailbox = mailbox
+        return mailbox
+
+    def _pass_memfd(self, sock: socket.socket, kind: int, fd: int, size: int, timeout: float | None) -> memoryview:
+        payload = REGION.pack(size)
+        socket.send_fds(sock, [_header(kind, None, timeout, len(payload)) + payload], [fd])
+        return self._reply(sock)
+
     # Connections ---------------------------------------------------------------------------
 
     @contextlib.contextmanager
-    def _connection(self, timeout: float | None) -> Iterator[socket.socket]:
+    def _connection(self, timeout: float | None) -> Iterator[_Connection]:
         """A pooled connection for one exchange: back to the pool if it stayed in step, else closed."""
         if not self._slots.acquire(timeout=-1 if timeout is None else timeout):
             raise _lost("no free connection before the deadline", grpc.StatusCode.DEADLINE_EXCEEDED)
@@ -240,48 +307,48 @@ class DataChannel:
         finally:
             self._slots.release()
 
-    def _exchange(self, timeout: float | None) -> Iterator[socket.socket]:
-        sock = self._checkout()
-        if sock.gettimeout() != timeout:
-            sock.settimeout(timeout)
+    def _exchange(self, timeout: float | None) -> Iterator[_Connection]:
+        conn = self._checkout()
+        if conn.sock.gettimeout() != timeout:
+            conn.sock.settimeout(timeout)
         try:
-            yield sock
+            yield conn
         except AclnnError:
-            self._checkin(sock)  # an error reply leaves the connection in step
+            self._checkin(conn)  # an error reply leaves the connection in step
             raise
         except TimeoutError:
-            sock.close()
+            conn.close()
             raise _lost("deadline exceeded", grpc.StatusCode.DEADLINE_EXCEEDED) from None
         except (OSError, ConnectionLost) as exc:
-            sock.close()
+            conn.close()
             raise _lost(exc) from None
         except BaseException:
-            sock.close()
+            conn.close()
             raise
-        self._checkin(sock)
+        self._checkin(conn)
 
-    def _checkout(self) -> socket.socket:
+    def _checkout(self) -> _Connection:
         """An idle pooled connection the server has not closed (it reaps idle ones), else a new one."""
         while True:
             with self._lock:
                 if not self._idle:
                     break
-                sock, since = self._idle.pop()
+                conn, since = self._idle.pop()
             if time.monotonic() - since < _CHECK_IDLE_S:
-                return sock
+                return conn
             readable = select.poll()
-            readable.register(sock, select.POLLIN)
+            readable.register(conn.sock, select.POLLIN)
             if not readable.poll(0):
-                return sock  # nothing to read while idle: still open and in step
-            sock.close()  # closed by the server (or out of step)
-        return self._connect()
+                return conn  # nothing to read while idle: still open and in step
+            conn.close()  # closed by the server (or out of step)
+        return _Connection(self._connect())
 
-    def _checkin(self, sock: socket.socket) -> None:
+    def _checkin(self, conn: _Connection) -> None:
         with self._lock:
             if not self._closed:
-                self._idle.append((sock, time.monotonic()))
+                self._idle.append((conn, time.monotonic()))
                 return
-        sock.close()
+        conn.close()
 
     def _connect(self) -> socket.socket:
         """A new connection, admitted by the current ticket (by a fresh one once that expired).
@@ -333,7 +400,8 @@ class DataChannel:
             raise
         return sock
 
-    def _reply_header(self, sock: socket.socket) -> int:
+    @staticmethod
+    def _reply_header(sock: socket.socket) -> int:
         """The length of an ok reply; an error reply is raised as its AclnnError."""
         ok, length = REPLY.unpack(recv_exact(sock, REPLY.size))
         if not ok:

@@ -60,8 +60,8 @@ class Region:
     size: neither side can truncate it under the other.
     """
 
-    def __init__(self, size: int) -> None:
-        fd = os.memfd_create("aclnn-region", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    def __init__(self, size: int, name: str = "aclnn-region") -> None:
+        fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.ftruncate(fd, size)
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)

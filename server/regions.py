@@ -57,6 +57,16 @@ def map_region(offer: RegionOffer) -> mmap.mmap:
 
     The caller keeps (and closes) the descriptor: the mapping does not need it.
     """
+    fd = checked_memfd(offer)
+    try:
+        return mmap.mmap(fd, offer.size)
+    except (OSError, ValueError) as exc:
+        raise invalid_error("region", f"the memfd cannot be mapped read-write: {exc}") from None
+
+
+def checked_memfd(offer: RegionOffer) -> int:
+    """The offer's one descriptor, once it is a memfd sealed against shrinking and growing that
+    holds the declared size; 161002 naming `region` when it is not."""
     if len(offer.fds) != 1 or offer.truncated:
         count = f"more than {len(offer.fds)}" if offer.truncated else len(offer.fds)
         raise invalid_error(
@@ -76,7 +86,4 @@ def map_region(offer: RegionOffer) -> mmap.mmap:
         )
     if not 0 < offer.size <= info.st_size:
         raise invalid_error("region", f"a region of {offer.size} bytes was declared; the memfd holds {info.st_size}")
-    try:
-        return mmap.mmap(fd, offer.size)
-    except (OSError, ValueError) as exc:
-        raise invalid_error("region", f"the memfd cannot be mapped read-write: {exc}") from None
+    return fd

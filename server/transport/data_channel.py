@@ -50,7 +50,10 @@ from aclnn_client._proto import aclnn_pb2 as pb
 from aclnn_client.data_channel import (
     CALL,
     DOWNLOAD,
+    IN_MAILBOX,
     MAGIC,
+    MAILBOX,
+    MAILBOX_MAX_BYTES,
     METHODS,
     REGION,
     REGISTER_REGION,
@@ -64,7 +67,7 @@ from aclnn_client.data_channel import (
 from aclnn_client.errors import AclnnError, invalid_error
 
 from ..engine import CallContext
-from ..regions import RegionOffer
+from ..regions import RegionOffer, checked_memfd
 from .service import AclnnService, failure_status
 
 log = logging.getLogger("aclnn_server")
@@ -77,7 +80,8 @@ _HOUSEKEEPING_S = 0.25
 # The accept loop's pause after a failure (out of descriptors or memory: EMFILE, ENFILE, ENOBUFS,
 # ENOMEM); it keeps listening.
 _BACKOFF_S = 0.1
-_KINDS = frozenset({CALL, UPLOAD, DOWNLOAD, REGISTER_REGION, UNREGISTER_REGION})
+_KINDS = frozenset({CALL, CALL | IN_MAILBOX, UPLOAD, DOWNLOAD, REGISTER_REGION, UNREGISTER_REGION, MAILBOX})
+_WITH_DESCRIPTOR = frozenset({REGISTER_REGION, MAILBOX})
 _PEEK_NOW = int(socket.MSG_PEEK | socket.MSG_DONTWAIT)  # an int once: IntFlag arithmetic is Python code
 _COALESCE_BYTES = 64 << 10
 # Each admitted connection's own buffer: a request this small arrives in one read, into memory the
@@ -136,6 +140,8 @@ class _Conn:
         self.discard = 0  # bytes of a refused payload still to drain
         self.fds: list[int] = []  # descriptors received with the request (Unix socket)
         self.fds_truncated = False  # it came with more descriptors than that
+        self.mailbox: int | None = None  # the memfd large CALL payloads come in (Unix socket)
+        self.mailbox_size = 0
 
     def next_request(self) -> None:
         """Waits for a request header, into the connection's own buffer (made at admission)."""
@@ -467,6 +473,8 @@ class DataChannelServer:
         else:
             self._handshaking -= 1
         conn.drop_request()
+        if conn.mailbox is not None:
+            os.close(conn.mailbox)
         try:
             self._epoll.unregister(conn.fd)  # before close: the number may be reused at once
         except OSError:
@@ -582,10 +590,13 @@ class DataChannelServer:
             kind, length = header[0], header[4]
             if kind not in _KINDS:
                 raise _ProtocolError(f"unknown request kind {kind}")
-            if kind != REGISTER_REGION:
+            if kind not in _WITH_DESCRIPTOR:
                 conn.drop_request()  # descriptors only come with a registration
+            in_mailbox = kind == CALL | IN_MAILBOX
+            if in_mailbox and (conn.mailbox is None or length > conn.mailbox_size):
+                raise _ProtocolError(f"a {length}-byte request in a mailbox the connection does not have")
             conn.header, early = header, conn.got - REQUEST.size  # payload bytes read with the header
-            if early > (0 if kind == UPLOAD else length):
+            if early > (0 if kind == UPLOAD or in_mailbox else length):
                 raise _ProtocolError("bytes beyond the request")  # a client sends one request, then waits
             if kind == UPLOAD:
                 return header
@@ -600,11 +611,17 @@ class DataChannelServer:
                 try:
                     conn.hold = self.service.ledger.reserve(conn.owner, length, "request", "request")
                 except AclnnError as exc:
-                    conn.refusal, conn.discard = failure_status(exc)[0], length - early
+                    conn.refusal, conn.discard = failure_status(exc)[0], 0 if in_mailbox else length - early
                 else:
                     conn.payload = memoryview(np.empty(length, np.uint8))
                     conn.payload[:early] = conn.buffer[REQUEST.size : conn.got]
                     conn.buffer, conn.got, conn.need = conn.payload, early, length
+            if in_mailbox and conn.refusal is None:
+                # Read, not mapped: a copy of our own (the client may change its mailbox at any time),
+                # and the mailbox's pages never count as ours.
+                if os.preadv(conn.mailbox, [conn.payload], 0) != length:
+                    raise _ProtocolError("the mailbox holds less than the request")
+                conn.got = conn.need
         if not (self._drain(conn) if conn.refusal is not None else self._fill(conn)):
             return None
         return conn.header
@@ -644,6 +661,8 @@ class DataChannelServer:
             if kind == UNREGISTER_REGION:
                 self.service.invoke("UnregisterRegion", bytes(payload).decode(errors="replace"), call, request_id)
                 return self._send(conn, *_ok(b""))
+            if kind == MAILBOX:
+                return self._take_mailbox(conn, REGION.unpack(payload)[0] if length == REGION.size else -1)
         except DecodeError:
             return self._fail(conn, _status(code_pb2.INVALID_ARGUMENT, "DOWNLOAD request does not parse"))
         except Exception as exc:
@@ -661,6 +680,22 @@ class DataChannelServer:
         except Exception as exc:
             return self._fail(conn, failure_status(exc)[0])
         return self._send(conn, *_ok(reply.SerializeToString()))
+
+    def _take_mailbox(self, conn: _Conn, size: int) -> None:
+        """Keeps the memfd the connection passed as its mailbox (in place of one it had). The server
+        only ever reads it (pread), so it costs the server a descriptor, no memory."""
+        if not 0 < size <= MAILBOX_MAX_BYTES:
+            too_large = _status(code_pb2.INVALID_ARGUMENT, f"a mailbox holds 1 to {MAILBOX_MAX_BYTES} bytes")
+            return self._fail(conn, too_large)
+        try:
+            fd = checked_memfd(RegionOffer(conn.fds, size, conn.fds_truncated))
+        except AclnnError as exc:
+            return self._fail(conn, failure_status(exc)[0])
+        conn.fds.remove(fd)  # the connection keeps it; drop_request closes what else came
+        if conn.mailbox is not None:
+            os.close(conn.mailbox)
+        conn.mailbox, conn.mailbox_size = fd, size
+        return self._send(conn, *_ok(b""))
 
     def _fail(self, conn: _Conn, status: status_pb2.Status) -> None:
         self._send(conn, *_failure_parts(status))

@@ -1,0 +1,239 @@
+"""A connection's mailbox on the Unix socket: large calls' bytes in a sealed memfd, as a caller and
+as a hostile tenant would use it (raw sockets, a real server process)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import socket
+import time
+
+import grpc
+import numpy as np
+import pytest
+from layer_norm_cases import layer_norm_call
+from test_data_channel import error_of, reply, request, ticket
+from test_processes import broadcast_call
+from test_shared_memory import OP, OUTPUTS, check, memfd, refused, region_call, start_server, unix_connect
+from test_transport import wait_for
+
+from aclnn_client import AclnnError, Client
+from aclnn_client._proto import aclnn_pb2 as pb
+from aclnn_client.data_channel import (
+    CALL,
+    IN_MAILBOX,
+    MAILBOX,
+    MAILBOX_MAX_BYTES,
+    REGION,
+)
+from aclnn_client.wire import decode_output
+
+MIB = 1 << 20
+
+
+@pytest.fixture
+def server_process():
+    proc, address = start_server("--port", "0")
+    yield proc, address
+    proc.kill()
+    proc.wait()
+
+
+def mailbox_maps(pid: int) -> list[int]:
+    """The sizes of the process's mappings of mailbox memfds."""
+    sizes = []
+    with open(f"/proc/{pid}/maps") as maps:
+        for line in maps:
+            if "/memfd:aclnn-mailbox" in line:
+                start, end = (int(x, 16) for x in line.split()[0].split("-"))
+                sizes.append(end - start)
+    return sizes
+
+
+def mailbox_fds(pid: int) -> list[int]:
+    """The sizes of the mailbox memfds the process holds open."""
+    sizes = []
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            if os.readlink(f"/proc/{pid}/fd/{fd}").startswith("/memfd:aclnn-mailbox"):
+                sizes.append(os.stat(f"/proc/{pid}/fd/{fd}").st_size)
+        except FileNotFoundError:
+            pass  # closed meanwhile
+    return sorted(sizes)
+
+
+def pass_mailbox(sock: socket.socket, fd: int, size: int) -> tuple[bool, bytes]:
+    socket.send_fds(sock, [request(MAILBOX, REGION.size) + REGION.pack(size)], [fd])
+    return reply(sock)
+
+
+def run_payload(p: dict) -> bytes:
+    """The data channel's CALL payload of `Run` with every input inline."""
+    return b"\x03Run" + region_call(p, "", {}).SerializeToString()
+
+
+def closed_by_server(sock: socket.socket) -> bool:
+    try:
+        return sock.recv(1) == b""
+    except ConnectionResetError:
+        return True
+
+
+def test_large_calls_travel_in_a_mailbox_that_grows_and_goes_with_its_connection(server_process, rng):
+    proc, address = server_process
+    with Client(address, max_inline_bytes=32 * MIB) as c:
+        p = layer_norm_call(rng, (2, 1024))  # 21 KB: one socket buffer, no mailbox
+        c.run(OP, **p)
+        check(p)
+        assert mailbox_fds(proc.pid) == []
+        # 37 KB (two socket buffers), 0.5 MB, 1.6 MB: one mailbox, each time a larger one in its place
+        for rows, size in ((4, 256 << 10), (64, 1 * MIB), (200, 2 * MIB)):
+            p = layer_norm_call(rng, (rows, 1024))
+            c.run(OP, **p)
+            check(p)
+            assert mailbox_fds(proc.pid) == [size] and mailbox_maps(os.getpid()) == [size]
+        assert mailbox_maps(proc.pid) == []  # read, never mapped: its pages are never the server's
+        p = layer_norm_call(rng, (2100, 1024))  # 17 MB: above the largest mailbox, through the socket
+        c.run(OP, **p)
+        check(p)
+        assert mailbox_fds(proc.pid) == [2 * MIB]
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:  # a mailbox per pooled connection
+            calls = [layer_norm_call(rng, (16, 1024)) for _ in range(8)]
+            list(pool.map(lambda q: c.run(OP, **q), calls))
+        for q in calls:
+            check(q)
+        assert 1 < len(mailbox_fds(proc.pid)) <= 4
+    wait_for(lambda: mailbox_fds(proc.pid) == [])  # closed with their connections
+    assert mailbox_maps(os.getpid()) == []
+
+
+def test_a_mailbox_takes_nothing_from_the_memory_budget(serve, rng):
+    """Only the call's own copy of its request is held (while it runs), as when it came over the socket."""
+    served = serve()
+    with Client(served.address) as c:
+        for rows in (4, 200, 200):
+            p = layer_norm_call(rng, (rows, 1024))
+            c.run(OP, **p)
+            check(p)
+            assert served.engine.ledger.held == 0
+        assert mailbox_maps(os.getpid()) == [2 * MIB]  # the client's: the server (this process too) maps none
+
+
+def test_hostile_mailboxes_are_refused_and_the_server_survives(server_process, rng, tmp_path):
+    proc, address = server_process
+    offer = ticket(address, "mallory")
+    p = layer_norm_call(rng, (64, 1024))
+    payload = run_payload(p)
+    with unix_connect(offer) as sock:  # a mailbox call before there is a mailbox
+        sock.sendall(request(CALL | IN_MAILBOX, len(payload)))
+        assert closed_by_server(sock)
+    with unix_connect(offer) as sock:
+        unsealed = memfd(MIB, seals=0)
+        refused(pass_mailbox(sock, unsealed, MIB), "sealed against shrinking and growing")
+        os.close(unsealed)
+        with open(tmp_path / "plain", "wb+") as f:
+            f.truncate(MIB)
+            refused(pass_mailbox(sock, f.fileno(), MIB), "not a memfd")
+        small = memfd(4096)
+        refused(pass_mailbox(sock, small, MIB), "declared")
+        os.close(small)
+        huge = memfd(2 * MAILBOX_MAX_BYTES)
+        ok, answer = pass_mailbox(sock, huge, 2 * MAILBOX_MAX_BYTES)
+        os.close(huge)
+        assert not ok and "mailbox holds" in error_of(answer).message
+        fd = memfd(MIB)
+        assert pass_mailbox(sock, fd, MIB) == (True, b"")
+        with pytest.raises(PermissionError):
+            os.ftruncate(fd, 0)  # the SIGBUS a truncated mailbox would cause is sealed away
+        mailbox = np.memmap(f"/proc/self/fd/{fd}", np.uint8, "r+", shape=(MIB,))
+        mailbox[: len(payload)] = np.frombuffer(payload, np.uint8)
+        sock.sendall(request(CALL | IN_MAILBOX, len(payload)))
+        ok, answer = reply(sock)
+        assert ok
+        outputs = pb.RunResponse.FromString(answer).outputs
+        for name in OUTPUTS:
+            p[name][...] = decode_output(outputs[name])
+        check(p)
+        sock.sendall(request(CALL | IN_MAILBOX, MIB + 1))  # a claim beyond the mailbox
+        assert closed_by_server(sock)
+        del mailbox
+        os.close(fd)
+    fresh = layer_norm_call(rng, (64, 1024))
+    with Client(address) as c:
+        c.run(OP, **fresh)
+    check(fresh)
+    assert proc.poll() is None
+
+
+def test_the_server_reads_a_copy_of_the_request_not_the_mailbox(serve, rng):
+    """A client that rewrites its mailbox while its call waits cannot change what the server computes."""
+    served = serve(max_concurrency=1)
+    p = layer_norm_call(rng, (64, 1024))
+    payload = run_payload(p)
+    fd = memfd(MIB)
+    mailbox = np.memmap(f"/proc/self/fd/{fd}", np.uint8, "r+", shape=(MIB,))
+    with Client(served.address) as other, unix_connect(ticket(served.address, "s")) as sock:
+        assert pass_mailbox(sock, fd, MIB) == (True, b"")
+        other.list_operators()
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            running = pool.submit(other.run, OP, **broadcast_call(0, rows=65536))
+            wait_for(lambda: served.engine.admission.running == 1)
+            mailbox[: len(payload)] = np.frombuffer(payload, np.uint8)
+            sock.sendall(request(CALL | IN_MAILBOX, len(payload)))
+            wait_for(lambda: served.engine.admission.waiting == 1)  # received, queued behind the long call
+            mailbox[: len(payload)] = 0xFF  # what the server would read if it read the mailbox now
+            running.result(timeout=60)
+        ok, answer = reply(sock)
+        assert ok
+        outputs = pb.RunResponse.FromString(answer).outputs
+    for name in OUTPUTS:
+        p[name][...] = decode_output(outputs[name])
+    check(p)
+    del mailbox
+    os.close(fd)
+
+
+def test_a_call_given_up_on_leaves_its_mailbox_to_no_one(rng):
+    """The server reads a mailbox once, when the request arrives, and never writes it: a call given
+    up on (at the client's deadline or the server's) changes no later call, and leaks no mailbox."""
+    proc, address = start_server("--port", "0", "--max-concurrency", "1")
+    try:
+        with Client(address, unix_socket=False) as other, Client(address, timeout=0.4) as c:
+            p = layer_norm_call(rng, (64, 1024))
+            c.run(OP, **p)
+            check(p)
+            assert mailbox_maps(os.getpid()) == [MIB]
+            other.list_operators()
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                running = pool.submit(other.run, OP, **broadcast_call(0, rows=262144))
+                time.sleep(0.3)
+                late = layer_norm_call(rng, (64, 1024))
+                with pytest.raises(AclnnError) as raised:
+                    c.run(OP, **late)  # queued behind the long call until the deadline
+                assert raised.value.grpc_code == grpc.StatusCode.DEADLINE_EXCEEDED
+                # The client's deadline closed the connection and its mailbox, or the server's answered in step.
+                assert mailbox_maps(os.getpid()) in ([], [MIB])
+                running.result(timeout=60)
+            for _ in range(3):
+                fresh = layer_norm_call(rng, (64, 1024))
+                c.run(OP, **fresh)
+                check(fresh)
+            assert mailbox_maps(os.getpid()) == [MIB] and mailbox_fds(proc.pid) == [MIB]
+        wait_for(lambda: mailbox_fds(proc.pid) == [])
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_mailbox_requests_are_framed_like_any_other(serve):
+    """Bytes after a mailbox call's header break the framing: the connection is closed, nothing served."""
+    served = serve()
+    with unix_connect(ticket(served.address, "s")) as sock:
+        fd = memfd(MIB)
+        assert pass_mailbox(sock, fd, MIB) == (True, b"")
+        os.close(fd)
+        keepalive = b"\x09KeepAlive"
+        sock.sendall(request(CALL | IN_MAILBOX, len(keepalive)) + keepalive)
+        assert closed_by_server(sock)
+    with Client(served.address) as c:
+        c.list_operators()
