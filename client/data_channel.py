@@ -194,14 +194,16 @@ class DataChannel:
     def call(self, method: str, request: object, stream: int | None, timeout: float | None) -> object:
         """A unary call; the reply message, or the AclnnError the server answered with."""
         name = method.encode()
-        payload = bytes([len(name)]) + name + request.SerializeToString()
+        prefix, message = bytes([len(name)]) + name, request.SerializeToString()
+        size = len(prefix) + len(message)
         with self._connection(timeout) as conn:
-            mailbox = self._mailbox(conn, len(payload), timeout) if self.unix and len(payload) > MAILBOX_FROM else None
+            mailbox = self._mailbox(conn, size, timeout) if self.unix and size > MAILBOX_FROM else None
             if mailbox is not None:
-                mailbox.map[: len(payload)] = payload
-                conn.sock.sendall(_header(CALL | IN_MAILBOX, stream, timeout, len(payload)))
+                mailbox.map[: len(prefix)] = prefix
+                mailbox.map[len(prefix) : size] = message
+                conn.sock.sendall(_header(CALL | IN_MAILBOX, stream, timeout, size))
             else:
-                send(conn.sock, _header(CALL, stream, timeout, len(payload)), payload)
+                send(conn.sock, _header(CALL, stream, timeout, size), prefix + message)
             reply = self._reply(conn.sock)
         return METHODS[method][1].FromString(reply)
 

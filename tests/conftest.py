@@ -65,3 +65,14 @@ def serve():
 @pytest.fixture
 def rng() -> np.random.Generator:
     return np.random.default_rng(20261123)
+
+
+@pytest.fixture
+def server_process():
+    """A server in a process of its own (numpy backend, a free port): (process, address)."""
+    from test_shared_memory import start_server
+
+    proc, address = start_server("--port", "0")
+    yield proc, address
+    proc.kill()
+    proc.wait()

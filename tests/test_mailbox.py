@@ -14,7 +14,16 @@ import pytest
 from layer_norm_cases import layer_norm_call
 from test_data_channel import error_of, reply, request, ticket
 from test_processes import broadcast_call
-from test_shared_memory import OP, OUTPUTS, check, memfd, refused, region_call, start_server, unix_connect
+from test_shared_memory import (
+    OP,
+    OUTPUTS,
+    check,
+    memfd,
+    refused,
+    region_call,
+    start_server,
+    unix_connect,
+)
 from test_transport import wait_for
 
 from aclnn_client import AclnnError, Client
@@ -29,14 +38,6 @@ from aclnn_client.data_channel import (
 from aclnn_client.wire import decode_output
 
 MIB = 1 << 20
-
-
-@pytest.fixture
-def server_process():
-    proc, address = start_server("--port", "0")
-    yield proc, address
-    proc.kill()
-    proc.wait()
 
 
 def mailbox_maps(pid: int) -> list[int]:
@@ -70,6 +71,16 @@ def pass_mailbox(sock: socket.socket, fd: int, size: int) -> tuple[bool, bytes]:
 def run_payload(p: dict) -> bytes:
     """The data channel's CALL payload of `Run` with every input inline."""
     return b"\x03Run" + region_call(p, "", {}).SerializeToString()
+
+
+def check_reply(sock: socket.socket, p: dict) -> None:
+    """Reads the reply of `p`'s Run call and checks its outputs against the oracle."""
+    ok, answer = reply(sock)
+    assert ok, error_of(answer).message
+    outputs = pb.RunResponse.FromString(answer).outputs
+    for name in OUTPUTS:
+        p[name][...] = decode_output(outputs[name])
+    check(p)
 
 
 def closed_by_server(sock: socket.socket) -> bool:
@@ -148,12 +159,7 @@ def test_hostile_mailboxes_are_refused_and_the_server_survives(server_process, r
         mailbox = np.memmap(f"/proc/self/fd/{fd}", np.uint8, "r+", shape=(MIB,))
         mailbox[: len(payload)] = np.frombuffer(payload, np.uint8)
         sock.sendall(request(CALL | IN_MAILBOX, len(payload)))
-        ok, answer = reply(sock)
-        assert ok
-        outputs = pb.RunResponse.FromString(answer).outputs
-        for name in OUTPUTS:
-            p[name][...] = decode_output(outputs[name])
-        check(p)
+        check_reply(sock, p)
         sock.sendall(request(CALL | IN_MAILBOX, MIB + 1))  # a claim beyond the mailbox
         assert closed_by_server(sock)
         del mailbox
@@ -183,12 +189,7 @@ def test_the_server_reads_a_copy_of_the_request_not_the_mailbox(serve, rng):
             wait_for(lambda: served.engine.admission.waiting == 1)  # received, queued behind the long call
             mailbox[: len(payload)] = 0xFF  # what the server would read if it read the mailbox now
             running.result(timeout=60)
-        ok, answer = reply(sock)
-        assert ok
-        outputs = pb.RunResponse.FromString(answer).outputs
-    for name in OUTPUTS:
-        p[name][...] = decode_output(outputs[name])
-    check(p)
+        check_reply(sock, p)
     del mailbox
     os.close(fd)
 

@@ -101,14 +101,6 @@ def start_server(*args: str) -> tuple[subprocess.Popen, str]:
     return proc, match[1]
 
 
-@pytest.fixture
-def server_process():
-    proc, address = start_server("--port", "0")
-    yield proc, address
-    proc.kill()
-    proc.wait()
-
-
 def test_regions_cannot_be_truncated_and_bad_ones_are_refused(server_process, rng, tmp_path):
     proc, address = server_process
     offer = ticket(address, "mallory")

@@ -82,7 +82,9 @@ _HOUSEKEEPING_S = 0.25
 _BACKOFF_S = 0.1
 _KINDS = frozenset({CALL, CALL | IN_MAILBOX, UPLOAD, DOWNLOAD, REGISTER_REGION, UNREGISTER_REGION, MAILBOX})
 _WITH_DESCRIPTOR = frozenset({REGISTER_REGION, MAILBOX})
-_PEEK_NOW = int(socket.MSG_PEEK | socket.MSG_DONTWAIT)  # an int once: IntFlag arithmetic is Python code
+# Plain ints once: IntFlag arithmetic is Python code (~2 us an operation, on every request).
+_PEEK_NOW = int(socket.MSG_PEEK | socket.MSG_DONTWAIT)
+_CTRUNC = int(socket.MSG_CTRUNC)
 _COALESCE_BYTES = 64 << 10
 # Each admitted connection's own buffer: a request this small arrives in one read, into memory the
 # connection holds anyway (at most max_connections of them); a larger one is held in the ledger first.
@@ -556,8 +558,10 @@ class DataChannelServer:
             try:
                 if conn.unix:
                     count, ancillary, flags, _ = conn.sock.recvmsg_into([view[conn.got :]], _FD_SPACE)
-                    conn.fds += _descriptors(ancillary)
-                    conn.fds_truncated |= bool(flags & socket.MSG_CTRUNC)  # more than room for (closed by the kernel)
+                    if ancillary:
+                        conn.fds += _descriptors(ancillary)
+                    if flags & _CTRUNC:
+                        conn.fds_truncated = True  # more than room for (closed by the kernel)
                 else:
                     count = conn.sock.recv_into(view[conn.got :])
             except (BlockingIOError, ssl.SSLWantReadError):
