@@ -69,12 +69,31 @@ def timed(fn, repeats: int, warmup: int = 2) -> list[float]:
     return times
 
 
+def cpu_seconds(pid: int) -> float:
+    """User and system CPU time a process has used so far (all its threads)."""
+    with open(f"/proc/{pid}/stat") as stat:
+        fields = stat.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def in_turns(labels: list[str], turn: int) -> list[str]:
+    """The labels in this turn's order, from a Williams design: over len(labels) turns (twice that
+    when odd) each runs right after every other exactly once, so that no path gains or loses from
+    the one before it (a turn can leave the machine busy for the next)."""
+    n = len(labels)
+    steps = [0] + [(j + 1) // 2 if j % 2 else n - j // 2 for j in range(1, n)]  # 0, 1, n-1, 2, n-2, ...
+    order = [(turn + step) % n for step in steps]
+    if n % 2 and turn // n % 2:
+        order.reverse()
+    return [labels[i] for i in order]
+
+
 def interleaved(calls: dict[str, object], count: int, batch: int = 50) -> dict[str, list[float]]:
     """`count` timings of each call, taken in batches that take turns (after a few warm-up calls each)."""
     samples: dict[str, list[float]] = {label: [] for label in calls}
-    for _ in range(-(-count // batch)):
-        for label, fn in calls.items():
-            samples[label] += timed(fn, batch, warmup=5)
+    for turn in range(-(-count // batch)):
+        for label in in_turns(list(calls), turn):
+            samples[label] += timed(calls[label], batch, warmup=5)
     return samples
 
 
@@ -122,7 +141,7 @@ def main() -> int:
     )
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(rpc_port))
     rpc.init_rpc("client", rank=0, world_size=2)
-    rows_out: list[tuple[str, str, float, float]] = []
+    rows_out: list[tuple[str, str, float, float | tuple[float, float]]] = []
     try:
         # Large call: end to end, inputs up and all three outputs back.
         inputs = make_inputs(large_rows, 4096)
@@ -197,18 +216,26 @@ def main() -> int:
         }
         pools = {label: [Client(address, **kwargs) for _ in range(clients)] for label, (_, kwargs) in loops.items()}
         done = dict.fromkeys(loops, 0)
+        # CPU per call, steadier than calls/s on a shared machine: the serving process's, and this one's.
+        serving = {label: worker.pid if label.startswith("PyTorch") else server.pid for label in loops}
+        cpu = {label: [0.0, 0.0] for label in loops}
         try:
             with concurrent.futures.ThreadPoolExecutor(clients) as pool:
-                for _ in range(slices):
-                    for label, (loop, _) in loops.items():
+                for turn in range(slices):
+                    for label in in_turns(list(loops), turn):
+                        loop = loops[label][0]
+                        served_before, client_before = cpu_seconds(serving[label]), time.process_time()
                         end = time.monotonic() + seconds / slices
                         done[label] += sum(pool.map(loop, pools[label], [end] * clients))
+                        cpu[label][0] += cpu_seconds(serving[label]) - served_before
+                        cpu[label][1] += time.process_time() - client_before
         finally:
             for pooled in pools.values():
                 for client in pooled:
                     client.close()
         for label, total in done.items():
-            rows_out.append((f"throughput, {clients} client threads", label, total / seconds, 0.0))
+            per_call = (cpu[label][0] / total, cpu[label][1] / total)
+            rows_out.append((f"throughput, {clients} client threads", label, total / seconds, per_call))
     finally:
         rpc.shutdown()
         worker.wait(timeout=60)
@@ -230,7 +257,11 @@ def main() -> int:
         elif case.startswith("empty"):
             print(f"| {case} | {label} | {value * 1e6:.0f} µs / {extra * 1e6:.0f} µs | |")
         elif case.startswith("throughput"):
-            print(f"| {case} | {label} | {value:.0f} calls/s | |")
+            server_cpu, client_cpu = extra
+            print(
+                f"| {case} | {label} | {value:.0f} calls/s | CPU per call: server {server_cpu * 1e6:.0f} µs, "
+                f"client {client_cpu * 1e6:.0f} µs |"
+            )
         else:
             print(f"| {case} | {label} | {value * 1e3:.1f} ms | {extra:.2f}x |")
     return 0
