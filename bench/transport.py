@@ -208,26 +208,26 @@ def main() -> int:
                 done += 1
             return done
 
+        # Each path's loop, client options, and serving process (whose CPU per call is reported).
         loops = {
-            "PyTorch RPC (TensorPipe)": (rpc_loop, {}),
-            "aclnn-serve Run, Unix socket (default)": (ours_loop, {}),
-            "aclnn-serve Run, data channel TCP": (ours_loop, dict(unix_socket=False)),
-            "aclnn-serve Run, gRPC": (ours_loop, dict(data_channel=False)),
+            "PyTorch RPC (TensorPipe)": (rpc_loop, {}, worker.pid),
+            "aclnn-serve Run, Unix socket (default)": (ours_loop, {}, server.pid),
+            "aclnn-serve Run, data channel TCP": (ours_loop, dict(unix_socket=False), server.pid),
+            "aclnn-serve Run, gRPC": (ours_loop, dict(data_channel=False), server.pid),
         }
-        pools = {label: [Client(address, **kwargs) for _ in range(clients)] for label, (_, kwargs) in loops.items()}
+        pools = {label: [Client(address, **kwargs) for _ in range(clients)] for label, (_, kwargs, _) in loops.items()}
         done = dict.fromkeys(loops, 0)
         # CPU per call, steadier than calls/s on a shared machine: the serving process's, and this one's.
-        serving = {label: worker.pid if label.startswith("PyTorch") else server.pid for label in loops}
         cpu = {label: [0.0, 0.0] for label in loops}
         try:
             with concurrent.futures.ThreadPoolExecutor(clients) as pool:
                 for turn in range(slices):
                     for label in in_turns(list(loops), turn):
-                        loop = loops[label][0]
-                        served_before, client_before = cpu_seconds(serving[label]), time.process_time()
+                        loop, _, serving = loops[label]
+                        served_before, client_before = cpu_seconds(serving), time.process_time()
                         end = time.monotonic() + seconds / slices
                         done[label] += sum(pool.map(loop, pools[label], [end] * clients))
-                        cpu[label][0] += cpu_seconds(serving[label]) - served_before
+                        cpu[label][0] += cpu_seconds(serving) - served_before
                         cpu[label][1] += time.process_time() - client_before
         finally:
             for pooled in pools.values():

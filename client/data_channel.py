@@ -402,8 +402,7 @@ class DataChannel:
             raise
         return sock
 
-    @staticmethod
-    def _reply_header(sock: socket.socket) -> int:
+    def _reply_header(self, sock: socket.socket) -> int:
         """The length of an ok reply; an error reply is raised as its AclnnError."""
         ok, length = REPLY.unpack(recv_exact(sock, REPLY.size))
         if not ok:
