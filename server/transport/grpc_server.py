@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import secrets
 import ssl
 import threading
 import time
@@ -30,7 +29,7 @@ from .auth import TokenAuthInterceptor, caller_identity, read_tokens
 from .data_channel import DataChannelServer
 from .data_channel import Limits as DataChannelLimits
 from .limits import CallLimit
-from .service import AclnnService, failure_status
+from .service import AclnnService, failure_status, new_request_id
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Aclnn"].full_name
 
@@ -90,7 +89,7 @@ class AclnnServicer(pb_grpc.AclnnServicer):
 
     def _serve(self, name: str, request: Any, context: grpc.ServicerContext) -> Any:
         metadata = dict(context.invocation_metadata())
-        request_id = metadata.get("x-request-id") or secrets.token_hex(8)
+        request_id = metadata.get("x-request-id") or new_request_id()
         context.set_trailing_metadata((("x-request-id", request_id),))
         remaining = context.time_remaining()
         call = CallContext(

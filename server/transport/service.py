@@ -7,9 +7,11 @@ mapping of every failure to a google.rpc.Status happen here, once for both.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import re
+import secrets
 import time
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
@@ -33,6 +35,17 @@ from ..storage import Storage
 from .wire import decode_params, output_tensor
 
 log = logging.getLogger("aclnn_server")
+
+# Request ids: a random prefix per server run and a counter, so that making one costs no system call
+# (getrandom releases the GIL: a hand-off to another busy worker on every call under load).
+_REQUEST_ID_PREFIX = secrets.token_hex(4)
+_request_numbers = itertools.count()
+
+
+def new_request_id() -> str:
+    """An id for the access log, unique within this server's run (and, by its prefix, across runs)."""
+    return f"{_REQUEST_ID_PREFIX}{next(_request_numbers):08x}"
+
 
 # A client's value logged as is: short, and nothing that could end the line or pass for another field.
 _PLAIN = re.compile(r"[\w.:/@+-]{1,128}", re.ASCII)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import hashlib
 import importlib
 import importlib.metadata
@@ -323,14 +324,19 @@ def kernel_ready(a: np.ndarray, shape: tuple[int, ...]) -> np.ndarray | None:
     return v if element_strides(v) is not None else None
 
 
-def probe(desc: Any) -> np.ndarray:
-    """A zero-storage array with a descriptor's shape and view strides, to plan kernels before data."""
-    itemsize = desc.dtype.itemsize
-    strides = tuple(s * itemsize if d > 1 else 0 for d, s in zip(desc.shape, desc.strides))
-    return np.lib.stride_tricks.as_strided(np.zeros(1, desc.dtype), desc.shape, strides, writeable=False)
-
-
 def views_ready(plan: Plan, names: tuple[str, ...], shape: tuple[int, ...]) -> bool:
     """Whether the kernels can take the named inputs as views of `shape` (`kernel_ready`), judged
     from their descriptors before any data arrives (a kernel module's `handles`)."""
-    return all(kernel_ready(probe(plan.inputs[name]), shape) is not None for name in names)
+    return all(_layout_ready(plan.inputs[n].dtype, plan.inputs[n].shape, plan.inputs[n].strides, shape) for n in names)
+
+
+@functools.lru_cache(maxsize=1024)
+def _layout_ready(
+    dtype: np.dtype, view_shape: tuple[int, ...], strides: tuple[int, ...], shape: tuple[int, ...]
+) -> bool:
+    """`views_ready` for one layout, on a zero-storage probe array; cached, as repeated calls (a training
+    step) bring the same few layouts, and probing costs tens of µs a call."""
+    itemsize = dtype.itemsize
+    byte_strides = tuple(s * itemsize if d > 1 else 0 for d, s in zip(view_shape, strides))
+    probe = np.lib.stride_tricks.as_strided(np.zeros(1, dtype), view_shape, byte_strides, writeable=False)
+    return kernel_ready(probe, shape) is not None
