@@ -1,4 +1,11 @@
-"""The PyTorch RPC side of bench/transport.py: importable by both processes (RPC pickles by name)."""
+"""The PyTorch RPC side of bench/transport.py: its worker (`serve`) and its client (`client`), each in
+a process of its own. Both import this module (RPC pickles the remote function by name).
+
+PyTorch RPC's default TensorPipe transport on one host (shared memory) busy-polls: each of the two
+processes keeps one thread spinning, a whole core even when idle. On a small machine that would
+slow every other path measured beside it, so the benchmark pauses both processes (SIGSTOP) outside
+PyTorch RPC's own turns; during them PyTorch RPC runs as it always does, spinning included.
+"""
 
 from __future__ import annotations
 
@@ -18,4 +25,52 @@ def serve(port: int) -> None:
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     rpc.init_rpc("server", rank=1, world_size=2)
+    rpc.shutdown()
+
+
+def client(port: int) -> None:
+    """Answers one JSON command per line of stdin with one JSON line on stdout:
+    {"inputs": [rows, n]}: the call's tensors from now on (transport.make_inputs);
+    {"timed": count, "warmup": w}: that many call times, in seconds;
+    {"loop": seconds, "threads": t}: calls made by t threads calling for that long, and the time taken;
+    {"quit": true}: ends RPC (with the worker) and exits."""
+    import concurrent.futures
+    import json
+    import sys
+    import time
+
+    import torch
+    import torch.distributed.rpc as rpc
+    from transport import make_inputs, timed
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    rpc.init_rpc("client", rank=0, world_size=2)
+    args: tuple = ()
+
+    def call() -> None:
+        rpc.rpc_sync("server", layer_norm_backward, args)
+
+    def loop(end: float) -> int:
+        done = 0
+        while time.monotonic() < end:
+            call()
+            done += 1
+        return done
+
+    for line in sys.stdin:
+        command = json.loads(line)
+        if "inputs" in command:
+            inputs = make_inputs(*command["inputs"])
+            args = tuple(torch.from_numpy(inputs[k]) for k in ("gradOut", "input", "mean", "rstd", "weightOptional"))
+            answer: object = None
+        elif "timed" in command:
+            answer = timed(call, command["timed"], command["warmup"])
+        elif "loop" in command:
+            started, threads = time.monotonic(), command["threads"]
+            with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+                calls = sum(pool.map(loop, [started + command["loop"]] * threads))
+            answer = [calls, time.monotonic() - started]
+        else:
+            break
+        print(json.dumps(answer), flush=True)
     rpc.shutdown()

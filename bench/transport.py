@@ -2,9 +2,10 @@
 streaming, shared memory) against PyTorch RPC.
 
 Both servers run in their own process on this machine and are reached over loopback (aclnn-serve
-also over its Unix domain socket);
-every number is a median (or percentile) measured in this one run, so ratios compare like
-with like on a noisy machine.
+also over its Unix domain socket); PyTorch RPC's client runs in a process of its own too, paused
+with its worker outside its turns (see rpc_udf.py: TensorPipe busy-polls a core in each). Every
+number is a median (or percentile) measured in this one run, so ratios compare like with like on
+a noisy machine.
 
     .venv/bin/python bench/transport.py            # full: 8192x4096 large call
     .venv/bin/python bench/transport.py --quick    # smaller and shorter
@@ -14,16 +15,18 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import json
 import os
 import re
+import signal
 import socket
 import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 
 import numpy as np
-from rpc_udf import layer_norm_backward
 
 OP = "aclnnLayerNormBackward"
 
@@ -88,13 +91,51 @@ def in_turns(labels: list[str], turn: int) -> list[str]:
     return [labels[i] for i in order]
 
 
-def interleaved(calls: dict[str, object], count: int, batch: int = 50) -> dict[str, list[float]]:
-    """`count` timings of each call, taken in batches that take turns (after a few warm-up calls each)."""
-    samples: dict[str, list[float]] = {label: [] for label in calls}
+def interleaved(
+    batches: dict[str, Callable[[int], list[float]]], count: int, batch: int = 50
+) -> dict[str, list[float]]:
+    """`count` timings of each path, taken in batches that take turns; `batches[label](k)` times k calls
+    (after a few warm-up calls)."""
+    samples: dict[str, list[float]] = {label: [] for label in batches}
     for turn in range(-(-count // batch)):
-        for label in in_turns(list(calls), turn):
-            samples[label] += timed(calls[label], batch, warmup=5)
+        for label in in_turns(list(batches), turn):
+            samples[label] += batches[label](batch)
     return samples
+
+
+class RpcClient:
+    """PyTorch RPC's client process (rpc_udf.client), paused with its worker between requests: their
+    busy-polling threads would otherwise take a core each from every other path."""
+
+    def __init__(self, here: str, port: int, worker: subprocess.Popen) -> None:
+        code = f"import sys; sys.path.insert(0, {here!r}); import rpc_udf; rpc_udf.client({port})"
+        self.process = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        self.worker = worker
+
+    def ask(self, **command: object) -> object:
+        self._signal(signal.SIGCONT)
+        self.process.stdin.write(json.dumps(command).encode() + b"\n")
+        self.process.stdin.flush()
+        line = self.process.stdout.readline()
+        if not line:
+            raise RuntimeError("PyTorch RPC's client process ended (its error is above)")
+        self._signal(signal.SIGSTOP)
+        return json.loads(line)
+
+    def close(self) -> None:
+        self._signal(signal.SIGCONT)
+        self.process.stdin.close()  # the client ends RPC with the worker, and both exit
+        try:
+            self.process.wait(timeout=60)
+            self.worker.wait(timeout=60)
+        finally:
+            for process in (self.process, self.worker):
+                if process.poll() is None:
+                    process.kill()
+
+    def _signal(self, which: signal.Signals) -> None:
+        for process in (self.process, self.worker):
+            process.send_signal(which)
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -107,9 +148,6 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="smaller large call, fewer repeats")
     parser.add_argument("--backend", default="auto", help="aclnn-serve backend (default auto)")
     args = parser.parse_args()
-    import torch
-    import torch.distributed.rpc as rpc
-
     from aclnn_client import Client
     from aclnn_client._proto import aclnn_pb2 as pb
 
@@ -139,14 +177,13 @@ def main() -> int:
     worker = subprocess.Popen(
         [sys.executable, "-c", f"import sys; sys.path.insert(0, {here!r}); import rpc_udf; rpc_udf.serve({rpc_port})"]
     )
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(rpc_port))
-    rpc.init_rpc("client", rank=0, world_size=2)
+    torch_rpc = RpcClient(here, rpc_port, worker)
     rows_out: list[tuple[str, str, float, float | tuple[float, float]]] = []
     try:
         # Large call: end to end, inputs up and all three outputs back.
         inputs = make_inputs(large_rows, 4096)
-        torch_args = tuple(torch.from_numpy(inputs[k]) for k in ("gradOut", "input", "mean", "rstd", "weightOptional"))
-        rpc_large = statistics.median(timed(lambda: rpc.rpc_sync("server", layer_norm_backward, torch_args), repeats))
+        torch_rpc.ask(inputs=[large_rows, 4096])
+        rpc_large = statistics.median(torch_rpc.ask(timed=repeats, warmup=2))
         rows_out.append((f"large {large_rows}x4096 fp32", "PyTorch RPC (TensorPipe)", rpc_large, 1.0))
         for label, kwargs in [
             ("aclnn-serve default (data channel, Unix socket)", {}),
@@ -163,7 +200,7 @@ def main() -> int:
         # Small calls, then the transport alone (an empty call, KeepAlive): p50 and p99 over many calls,
         # in interleaved batches of 50 per path, so that a slow spell of the machine hits every path alike.
         small = make_inputs(4, 1024)
-        small_torch = tuple(torch.from_numpy(small[k]) for k in ("gradOut", "input", "mean", "rstd", "weightOptional"))
+        torch_rpc.ask(inputs=[4, 1024])
         paths = {
             "Unix socket (default)": {},
             "Unix socket + shared memory": dict(shared_memory=True),
@@ -173,15 +210,18 @@ def main() -> int:
         ours = {label: Client(address, **kwargs) for label, kwargs in paths.items()}
         try:
             p = aclnn_params(small)
-            calls = {"PyTorch RPC (TensorPipe)": lambda: rpc.rpc_sync("server", layer_norm_backward, small_torch)}
-            calls.update({f"aclnn-serve Run, {label}": lambda c=c: c.run(OP, **p) for label, c in ours.items()})
-            measured = interleaved(calls, small_calls)
+            batches = {"PyTorch RPC (TensorPipe)": lambda k: torch_rpc.ask(timed=k, warmup=5)}
+            for label, c in ours.items():
+                batches[f"aclnn-serve Run, {label}"] = lambda k, c=c: timed(lambda: c.run(OP, **p), k, warmup=5)
+            measured = interleaved(batches, small_calls)
             rpc_small = measured["PyTorch RPC (TensorPipe)"]  # the reference of the ratios
             for label, samples in measured.items():
                 p50, p99 = percentile(samples, 0.5), percentile(samples, 0.99)
                 rows_out.append(("small 4x1024 fp32 p50 / p99", label, p50, p99))
             empty = {
-                f"aclnn-serve {label}": lambda c=ours[label]: c._call_on(0, "KeepAlive", pb.Empty())
+                f"aclnn-serve {label}": lambda k, c=ours[label]: timed(
+                    lambda: c._call_on(0, "KeepAlive", pb.Empty()), k, 5
+                )
                 for label in ("Unix socket (default)", "data channel TCP", "gRPC")
             }
             for label, samples in interleaved(empty, small_calls).items():
@@ -192,7 +232,8 @@ def main() -> int:
                 client.close()
 
         # Throughput: several concurrent clients of small calls, each path in interleaved slices.
-        clients, seconds, slices = 4, 2.0 if args.quick else 4.0, 8
+        # Short slices, many turns: a slow spell of the machine (seconds long here) falls on every path alike.
+        clients, seconds, slices = 4, 2.0 if args.quick else 4.0, 16
 
         def ours_loop(client: Client, end: float) -> int:
             p, done = aclnn_params(small), 0
@@ -201,45 +242,54 @@ def main() -> int:
                 done += 1
             return done
 
-        def rpc_loop(_: object, end: float) -> int:
-            done = 0
-            while time.monotonic() < end:
-                rpc.rpc_sync("server", layer_norm_backward, small_torch)
-                done += 1
-            return done
+        def ours_turn(pooled: list[Client]) -> tuple[int, float]:
+            """(calls made, seconds to the last call's end) by `clients` threads for one slice."""
+            started = time.monotonic()
+            calls = sum(pool.map(ours_loop, pooled, [started + seconds / slices] * clients))
+            return calls, time.monotonic() - started
 
-        # Each path's loop, client options, and serving process (whose CPU per call is reported).
-        loops = {
-            "PyTorch RPC (TensorPipe)": (rpc_loop, {}, worker.pid),
-            "aclnn-serve Run, Unix socket (default)": (ours_loop, {}, server.pid),
-            "aclnn-serve Run, data channel TCP": (ours_loop, dict(unix_socket=False), server.pid),
-            "aclnn-serve Run, gRPC": (ours_loop, dict(data_channel=False), server.pid),
+        # Each path's turn, and its serving and client processes (whose CPU per call is reported).
+        pools = {
+            label: [Client(address, **kwargs) for _ in range(clients)]
+            for label, kwargs in [
+                ("Unix socket (default)", {}),
+                ("data channel TCP", dict(unix_socket=False)),
+                ("gRPC", dict(data_channel=False)),
+            ]
         }
-        pools = {label: [Client(address, **kwargs) for _ in range(clients)] for label, (_, kwargs, _) in loops.items()}
-        done = dict.fromkeys(loops, 0)
-        # CPU per call, steadier than calls/s on a shared machine: the serving process's, and this one's.
-        cpu = {label: [0.0, 0.0] for label in loops}
+        turns = {
+            "PyTorch RPC (TensorPipe)": (
+                lambda: torch_rpc.ask(loop=seconds / slices, threads=clients),
+                worker.pid,
+                torch_rpc.process.pid,
+            )
+        }
+        for label, pooled in pools.items():
+            turns[f"aclnn-serve Run, {label}"] = (lambda pooled=pooled: ours_turn(pooled), server.pid, os.getpid())
+        done, elapsed = dict.fromkeys(turns, 0), dict.fromkeys(turns, 0.0)
+        # CPU per call, steadier than calls/s on a shared machine: the serving process's, and the client's.
+        cpu = {label: [0.0, 0.0] for label in turns}
         try:
             with concurrent.futures.ThreadPoolExecutor(clients) as pool:
                 for turn in range(slices):
-                    for label in in_turns(list(loops), turn):
-                        loop, _, serving = loops[label]
-                        served_before, client_before = cpu_seconds(serving), time.process_time()
-                        end = time.monotonic() + seconds / slices
-                        done[label] += sum(pool.map(loop, pools[label], [end] * clients))
+                    for label in in_turns(list(turns), turn):
+                        run_turn, serving, calling = turns[label]
+                        served_before, client_before = cpu_seconds(serving), cpu_seconds(calling)
+                        calls, took = run_turn()
+                        done[label] += calls
+                        elapsed[label] += took
                         cpu[label][0] += cpu_seconds(serving) - served_before
-                        cpu[label][1] += time.process_time() - client_before
+                        cpu[label][1] += cpu_seconds(calling) - client_before
         finally:
             for pooled in pools.values():
                 for client in pooled:
                     client.close()
         for label, total in done.items():
             per_call = (cpu[label][0] / total, cpu[label][1] / total)
-            rows_out.append((f"throughput, {clients} client threads", label, total / seconds, per_call))
+            rows_out.append((f"throughput, {clients} client threads", label, total / elapsed[label], per_call))
     finally:
-        rpc.shutdown()
-        worker.wait(timeout=60)
         server.terminate()
+        torch_rpc.close()
         server.wait(timeout=60)
 
     print(
