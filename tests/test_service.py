@@ -61,6 +61,20 @@ def test_request_id_is_echoed_and_logged(serve, caplog, rng):
     assert logged and "status=ACLNN_ERR_PARAM_INVALID" in logged[0]
 
 
+def test_fresh_request_ids_are_distinct_and_logged_for_both_transports(serve, caplog, rng):
+    address, _, _ = serve()
+    with grpc.insecure_channel(address) as channel:
+        stub = pb_grpc.AclnnStub(channel)
+        ids = [stub.ListOperators.with_call(pb.Empty())[1].trailing_metadata() for _ in range(3)]
+    echoed = [dict(metadata)["x-request-id"] for metadata in ids]
+    assert len(set(echoed)) == 3 and all(len(i) >= 16 for i in echoed)
+    with Client(address) as c, caplog.at_level(logging.INFO, logger="aclnn_server"):
+        for _ in range(3):
+            c.run(OP, **layer_norm_call(rng, (2, 4)))  # over the data channel
+    logged = [r.message.split()[0] for r in caplog.records if "method=Run" in r.message]
+    assert len(logged) == 3 and len(set(logged)) == 3
+
+
 def test_prometheus_metrics(serve, rng):
     import socket
 
