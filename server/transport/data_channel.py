@@ -749,7 +749,7 @@ def _ok(payload: bytes) -> tuple[bytes, bytes]:
 def _read_mailbox(fd: int, payload: memoryview) -> int:
     """pread of a mailbox's payload. Up to _GIL_HELD_READ_BYTES without releasing the GIL: such a read
     is a copy of a few µs from the page cache, and releasing the GIL for it (os.preadv always does)
-    hands the GIL to another busy worker, two context switches more per call under load."""
+    hands the GIL to another busy worker on every call under load."""
     if payload.nbytes > _GIL_HELD_READ_BYTES:
         return os.preadv(fd, [payload], 0)
     count = _pread(fd, (ctypes.c_char * payload.nbytes).from_buffer(payload), payload.nbytes, 0)

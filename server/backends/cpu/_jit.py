@@ -327,7 +327,8 @@ def kernel_ready(a: np.ndarray, shape: tuple[int, ...]) -> np.ndarray | None:
 def views_ready(plan: Plan, names: tuple[str, ...], shape: tuple[int, ...]) -> bool:
     """Whether the kernels can take the named inputs as views of `shape` (`kernel_ready`), judged
     from their descriptors before any data arrives (a kernel module's `handles`)."""
-    return all(_layout_ready(plan.inputs[n].dtype, plan.inputs[n].shape, plan.inputs[n].strides, shape) for n in names)
+    descs = [plan.inputs[name] for name in names]
+    return all(_layout_ready(d.dtype, d.shape, d.strides, shape) for d in descs)
 
 
 @functools.lru_cache(maxsize=1024)
