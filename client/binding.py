@@ -21,13 +21,14 @@ from .tensor import BoolArray, IntArray, Tensor, Value, tensor_from_array
 from .types import numpy_dtype, torch_array
 
 
-def to_value(name: str, arg: Any) -> Value:
-    """The parameter value for one Python argument (None is a null pointer)."""
+def to_value(name: str, arg: Any, storage: bool = True) -> Value:
+    """The parameter value for one Python argument (None is a null pointer); with `storage` False an
+    array becomes its descriptor alone."""
     if arg is None or isinstance(arg, (Tensor, str)):
         return arg
     if isinstance(arg, np.ndarray):
         try:
-            return tensor_from_array(arg)
+            return tensor_from_array(arg, storage)
         except TypeError as exc:
             raise invalid_error(name, str(exc)) from None
     if isinstance(arg, (bool, np.bool_)):
@@ -110,12 +111,14 @@ def bind(
     """`inout_names`: tensors the operator reads and updates in place (also among the results)."""
     if "torch" in sys.modules:  # torch tensors exist only once the caller imported torch
         params = {name: _host_array(name, arg) for name, arg in params.items()}
-    values = {name: to_value(name, arg) for name, arg in params.items()}
+    # Outputs never ship bytes: the server allocates results and they come back here.
+    outputs = output_names - inout_names
+    values = {name: to_value(name, arg, name not in outputs) for name, arg in params.items()}
     written = output_names | inout_names
     targets = {n: params[n] for n in written if isinstance(params.get(n), (np.ndarray, Tensor))}
-    # Outputs never ship bytes: the server allocates results and they come back here.
-    for name in targets.keys() - inout_names:
-        values[name] = values[name].without_data()
+    for name in targets.keys() & outputs:
+        if isinstance(params[name], Tensor):
+            values[name] = values[name].without_data()
     return BoundCall(op, values, targets, inout_names & targets.keys())
 
 

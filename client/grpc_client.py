@@ -283,7 +283,7 @@ class Client(BaseClient):
 
             def build(replica: int) -> pb.OpCall:
                 staging.reset(failed=True)  # a previous attempt's, which failed (its regions may still be written)
-                request = encode_call(call.op, call.descriptors())
+                request = encode_call(call.op, call.values, storage=False)
                 for name, tensor in call.inputs().items():
                     staged = staging.input(replica, name, tensor)
                     if isinstance(staged, bytes):

@@ -67,22 +67,32 @@ def create_tensor(
     )
 
 
-def tensor_from_array(array: np.ndarray) -> Tensor:
-    """Describes a NumPy array as an ND tensor over the storage span its view addresses.
+def tensor_from_array(array: np.ndarray, storage: bool = True) -> Tensor:
+    """Describes a NumPy array as an ND tensor over the storage span its view addresses; with
+    `storage` False, the descriptor alone (an output's).
 
     Any view with non-negative element strides is sent as it is (no copy); a view
     that aclCreateTensor cannot express (negative or non-element strides) is
     sent as a contiguous copy.
     """
-    itemsize = array.itemsize
-    if any(s < 0 or s % itemsize for s in array.strides):
-        array = np.ascontiguousarray(array)
+    itemsize, byte_strides = array.itemsize, array.strides
+    for s in byte_strides:
+        if s < 0 or s % itemsize:
+            array = np.ascontiguousarray(array)
+            byte_strides = array.strides
+            break
     data_type = data_type_of(array.dtype)
-    strides = tuple(s // itemsize for s in array.strides)
-    span = 0 if array.size == 0 else 1 + sum((d - 1) * s for d, s in zip(array.shape, strides))
-    if array.flags.c_contiguous:  # the common case, and cheaper than as_strided
-        storage = array.reshape(-1)[:span]
-        storage.flags.writeable = False
+    strides = tuple([s // itemsize for s in byte_strides])
+    contiguous = array.flags.c_contiguous
+    if contiguous or not array.size:  # a dense span: size-1 dims (whatever their stride) add nothing
+        span = array.size
     else:
-        storage = as_strided(array, shape=(span,), strides=(itemsize,), writeable=False)
-    return Tensor(array.shape, data_type, strides, 0, Format.ND, (span,), storage)
+        span = 1 + sum([(d - 1) * s for d, s in zip(array.shape, strides)])
+    if not storage:
+        data = None
+    elif contiguous:  # the common case, and cheaper than as_strided
+        data = array.reshape(-1)
+        data.flags.writeable = False
+    else:
+        data = as_strided(array, shape=(span,), strides=(itemsize,), writeable=False)
+    return Tensor(array.shape, data_type, strides, 0, Format.ND, (span,), data)
