@@ -38,29 +38,31 @@ from aclnn_client.data_channel import (
 from aclnn_client.wire import decode_output
 
 MIB = 1 << 20
+MAPPED = 64 << 10  # the head of a mailbox the server maps (read-only); the rest it reads with pread
 
 
-def mailbox_maps(pid: int) -> list[int]:
-    """The sizes of the process's mappings of mailbox memfds."""
+def mailbox_maps(pid: int, name: str = "aclnn-mailbox") -> list[int]:
+    """The sizes of the process's mappings of mailbox memfds (the client's are named aclnn-mailbox)."""
     sizes = []
     with open(f"/proc/{pid}/maps") as maps:
         for line in maps:
-            if "/memfd:aclnn-mailbox" in line:
+            if f"/memfd:{name}" in line:
                 start, end = (int(x, 16) for x in line.split()[0].split("-"))
                 sizes.append(end - start)
     return sizes
 
 
 def mailbox_fds(pid: int) -> list[int]:
-    """The sizes of the mailbox memfds the process holds open."""
-    sizes = []
+    """The sizes of the mailbox memfds the process holds open (each once, however many descriptors)."""
+    sizes = {}
     for fd in os.listdir(f"/proc/{pid}/fd"):
         try:
             if os.readlink(f"/proc/{pid}/fd/{fd}").startswith("/memfd:aclnn-mailbox"):
-                sizes.append(os.stat(f"/proc/{pid}/fd/{fd}").st_size)
+                info = os.stat(f"/proc/{pid}/fd/{fd}")
+                sizes[info.st_ino] = info.st_size
         except FileNotFoundError:
             pass  # closed meanwhile
-    return sorted(sizes)
+    return sorted(sizes.values())
 
 
 def pass_mailbox(sock: socket.socket, fd: int, size: int) -> tuple[bool, bytes]:
@@ -103,7 +105,7 @@ def test_large_calls_travel_in_a_mailbox_that_grows_and_goes_with_its_connection
             c.run(OP, **p)
             check(p)
             assert mailbox_fds(proc.pid) == [size] and mailbox_maps(os.getpid()) == [size]
-        assert mailbox_maps(proc.pid) == []  # read, never mapped: its pages are never the server's
+        assert mailbox_maps(proc.pid) == [MAPPED]  # the server maps a mailbox's head only (read-only)
         p = layer_norm_call(rng, (2100, 1024))  # 17 MB: above the largest mailbox, through the socket
         c.run(OP, **p)
         check(p)
@@ -115,7 +117,7 @@ def test_large_calls_travel_in_a_mailbox_that_grows_and_goes_with_its_connection
             check(q)
         assert 1 < len(mailbox_fds(proc.pid)) <= 4
     wait_for(lambda: mailbox_fds(proc.pid) == [])  # closed with their connections
-    assert mailbox_maps(os.getpid()) == []
+    assert mailbox_maps(os.getpid()) == [] and mailbox_maps(proc.pid) == []
 
 
 def test_a_mailbox_takes_nothing_from_the_memory_budget(serve, rng):
@@ -127,7 +129,8 @@ def test_a_mailbox_takes_nothing_from_the_memory_budget(serve, rng):
             c.run(OP, **p)
             check(p)
             assert served.engine.ledger.held == 0
-        assert mailbox_maps(os.getpid()) == [2 * MIB]  # the client's: the server (this process too) maps none
+        # The client's whole mailbox, and the head the server (this process too) maps.
+        assert sorted(mailbox_maps(os.getpid())) == [MAPPED, 2 * MIB]
 
 
 def test_hostile_mailboxes_are_refused_and_the_server_survives(server_process, rng, tmp_path):
@@ -164,6 +167,14 @@ def test_hostile_mailboxes_are_refused_and_the_server_survives(server_process, r
         assert closed_by_server(sock)
         del mailbox
         os.close(fd)
+    with unix_connect(offer) as sock:  # a mailbox never written: all holes, read through the mapping
+        sparse = memfd(MAILBOX_MAX_BYTES)
+        assert pass_mailbox(sock, sparse, MAILBOX_MAX_BYTES) == (True, b"")
+        sock.sendall(request(CALL | IN_MAILBOX, MAPPED))
+        ok, answer = reply(sock)
+        assert not ok and "not on the data channel" in error_of(answer).message  # zeros name no method
+        assert mailbox_maps(proc.pid, "test-region") == [MAPPED]  # at most its head: what a hole read can fill
+        os.close(sparse)
     fresh = layer_norm_call(rng, (64, 1024))
     with Client(address) as c:
         c.run(OP, **fresh)
@@ -171,10 +182,11 @@ def test_hostile_mailboxes_are_refused_and_the_server_survives(server_process, r
     assert proc.poll() is None
 
 
-def test_the_server_reads_a_copy_of_the_request_not_the_mailbox(serve, rng):
+@pytest.mark.parametrize("rows", [4, 64])  # 37 KB: through the mapped head; 0.5 MB: pread
+def test_the_server_reads_a_copy_of_the_request_not_the_mailbox(serve, rng, rows):
     """A client that rewrites its mailbox while its call waits cannot change what the server computes."""
     served = serve(max_concurrency=1)
-    p = layer_norm_call(rng, (64, 1024))
+    p = layer_norm_call(rng, (rows, 1024))
     payload = run_payload(p)
     fd = memfd(MIB)
     mailbox = np.memmap(f"/proc/self/fd/{fd}", np.uint8, "r+", shape=(MIB,))

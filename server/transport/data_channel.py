@@ -30,6 +30,7 @@ import collections
 import ctypes
 import errno
 import logging
+import mmap
 import os
 import secrets
 import select
@@ -143,8 +144,7 @@ class _Conn:
         self.discard = 0  # bytes of a refused payload still to drain
         self.fds: list[int] = []  # descriptors received with the request (Unix socket)
         self.fds_truncated = False  # it came with more descriptors than that
-        self.mailbox: int | None = None  # the memfd large CALL payloads come in (Unix socket)
-        self.mailbox_size = 0
+        self.mailbox: _Mailbox | None = None  # where large CALL payloads come in (Unix socket)
 
     def next_request(self) -> None:
         """Waits for a request header, into the connection's own buffer (made at admission)."""
@@ -477,7 +477,7 @@ class DataChannelServer:
             self._handshaking -= 1
         conn.drop_request()
         if conn.mailbox is not None:
-            os.close(conn.mailbox)
+            conn.mailbox.close()
         try:
             self._epoll.unregister(conn.fd)  # before close: the number may be reused at once
         except OSError:
@@ -598,7 +598,7 @@ class DataChannelServer:
             if kind not in _WITH_DESCRIPTOR:
                 conn.drop_request()  # descriptors only come with a registration
             in_mailbox = kind == CALL | IN_MAILBOX
-            if in_mailbox and (conn.mailbox is None or length > conn.mailbox_size):
+            if in_mailbox and (conn.mailbox is None or length > conn.mailbox.size):
                 raise _ProtocolError(f"a {length}-byte request in a mailbox the connection does not have")
             conn.header, early = header, conn.got - REQUEST.size  # payload bytes read with the header
             if early > (0 if kind == UPLOAD or in_mailbox else length):
@@ -622,9 +622,8 @@ class DataChannelServer:
                     conn.payload[:early] = conn.buffer[REQUEST.size : conn.got]
                     conn.buffer, conn.got, conn.need = conn.payload, early, length
             if in_mailbox and conn.refusal is None:
-                # Read, not mapped: a copy of our own (the client may change its mailbox at any time),
-                # and the mailbox's pages never count as ours.
-                if _read_mailbox(conn.mailbox, conn.payload) != length:
+                # Copied out before anything parses it: the client may change its mailbox at any time.
+                if conn.mailbox.read_into(conn.payload) != length:
                     raise _ProtocolError("the mailbox holds less than the request")
                 conn.got = conn.need
         if not (self._drain(conn) if conn.refusal is not None else self._fill(conn)):
@@ -688,7 +687,7 @@ class DataChannelServer:
 
     def _take_mailbox(self, conn: _Conn, size: int) -> None:
         """Keeps the memfd the connection passed as its mailbox (in place of one it had). The server
-        only ever reads it (pread), so it costs the server a descriptor, no memory."""
+        only ever reads it (see _Mailbox)."""
         if not 0 < size <= MAILBOX_MAX_BYTES:
             too_large = _status(code_pb2.INVALID_ARGUMENT, f"a mailbox holds 1 to {MAILBOX_MAX_BYTES} bytes")
             return self._fail(conn, too_large)
@@ -698,8 +697,8 @@ class DataChannelServer:
             return self._fail(conn, failure_status(exc)[0])
         conn.fds.remove(fd)  # the connection keeps it; drop_request closes what else came
         if conn.mailbox is not None:
-            os.close(conn.mailbox)
-        conn.mailbox, conn.mailbox_size = fd, size
+            conn.mailbox.close()
+        conn.mailbox = _Mailbox(fd, size)
         return self._send(conn, *_ok(b""))
 
     def _fail(self, conn: _Conn, status: status_pb2.Status) -> None:
@@ -744,6 +743,41 @@ def _failure(status: status_pb2.Status) -> bytes:
 
 def _ok(payload: bytes) -> tuple[bytes, bytes]:
     return REPLY.pack(1, len(payload)), payload
+
+
+class _Mailbox:
+    """A connection's mailbox: the client's sealed memfd (checked_memfd), which the server only reads.
+
+    Its first _MAPPED_MAILBOX_BYTES are mapped read-only, so a small request (the common one) is one
+    copy: a pread reads a memfd page by page, 24-32 us for a 37 KB request here. Larger payloads are
+    read with pread. The seals keep the memfd from shrinking under the mapping (no SIGBUS). Reading
+    a hole through the mapping fills it with a page charged to the server, so a connection's mapping
+    can cost the server at most _MAPPED_MAILBOX_BYTES, what its own buffer costs (_BUFFER_BYTES).
+    """
+
+    def __init__(self, fd: int, size: int) -> None:
+        self.fd, self.size = fd, size
+        try:  # Python's mapping holds a duplicate of the descriptor: two per mailbox
+            self._map: mmap.mmap | None = mmap.mmap(fd, min(size, _MAPPED_MAILBOX_BYTES), prot=mmap.PROT_READ)
+        except OSError:  # a memfd this cannot map (hugetlb pages): everything is read with pread
+            self._map = None
+        self._head = memoryview(self._map if self._map is not None else b"")
+
+    def read_into(self, payload: memoryview) -> int:
+        """Copies the mailbox's first payload.nbytes bytes into `payload`; the count read."""
+        if payload.nbytes <= self._head.nbytes:
+            payload[:] = self._head[: payload.nbytes]
+            return payload.nbytes
+        return _read_mailbox(self.fd, payload)
+
+    def close(self) -> None:
+        self._head.release()
+        if self._map is not None:
+            self._map.close()
+        os.close(self.fd)
+
+
+_MAPPED_MAILBOX_BYTES = 64 << 10
 
 
 def _read_mailbox(fd: int, payload: memoryview) -> int:
