@@ -31,8 +31,9 @@ A CALL whose payload is larger than one Unix-socket buffer holds (MAILBOX_FROM) 
 connection's mailbox instead: kind = CALL | IN_MAILBOX, the payload at the mailbox's start and
 nothing after the header. Over a stream socket such a payload arrives in pieces of ~36.5 KiB,
 each of which wakes a thread of the server; through the mailbox only the header moves, in one
-piece. The server reads the mailbox (pread, into memory of its own: the client can change the
-mailbox at any time) and never writes or maps it; replies come over the socket. A mailbox lives
+piece. The server copies the payload out of the mailbox into memory of its own before parsing
+it (the client can change the mailbox at any time): from a read-only mapping of its first 64 KiB,
+or with pread beyond. It never writes the mailbox; replies come over the socket. A mailbox lives
 and dies with its connection.
 """
 
