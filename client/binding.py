@@ -23,9 +23,11 @@ from .types import numpy_dtype, torch_array
 
 def to_value(name: str, arg: Any, storage: bool = True) -> Value:
     """The parameter value for one Python argument (None is a null pointer); with `storage` False an
-    array becomes its descriptor alone."""
-    if arg is None or isinstance(arg, (Tensor, str)):
+    array or a Tensor becomes its descriptor alone."""
+    if arg is None or isinstance(arg, str):
         return arg
+    if isinstance(arg, Tensor):
+        return arg if storage or arg.data is None else arg.without_data()
     if isinstance(arg, np.ndarray):
         try:
             return tensor_from_array(arg, storage)
@@ -116,9 +118,6 @@ def bind(
     values = {name: to_value(name, arg, name not in outputs) for name, arg in params.items()}
     written = output_names | inout_names
     targets = {n: params[n] for n in written if isinstance(params.get(n), (np.ndarray, Tensor))}
-    for name in targets.keys() & outputs:
-        if isinstance(params[name], Tensor):
-            values[name] = values[name].without_data()
     return BoundCall(op, values, targets, inout_names & targets.keys())
 
 

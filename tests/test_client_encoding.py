@@ -46,8 +46,12 @@ def test_outputs_are_bound_without_their_bytes():
     params = dict(gradOut=x, input=x, mean=x[:, :1], rstd=x[:, :1], weightOptional=x[0], normalizedShape=[8],
                   outputMask=[True, True, True], gradInputOut=np.empty_like(x),
                   gradWeightOut=np.empty(8, np.float32), gradBiasOut=np.empty(8, np.float32))  # fmt: skip
+    # An output given as a descriptor with storage (aclCreateTensor) is bound without it too.
+    params["gradWeightOut"] = tensor_from_array(np.empty(8, np.float32))
+    assert params["gradWeightOut"].data is not None
     values = bind(OP, params, OUTPUTS).values
     assert all(values[name].data is None for name in OUTPUTS)
+    assert values["gradWeightOut"] == params["gradWeightOut"].without_data()
     assert all(values[name].data is not None for name in ("gradOut", "input", "mean", "rstd", "weightOptional"))
 
 
