@@ -8,6 +8,7 @@ FROM ${BASE_IMAGE} AS build
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY proto ./proto
+COPY common ./common
 COPY client ./client
 COPY server ./server
 RUN pip wheel --no-cache-dir --wheel-dir /wheels ".[server]"

@@ -18,13 +18,13 @@ import time
 import grpc
 import numpy as np
 
-from aclnn_client import transfer
-from aclnn_client._proto import aclnn_pb2_grpc as pb_grpc
+from aclnn_common import chunks
+from aclnn_common._proto import aclnn_pb2_grpc as pb_grpc
 
 SERVER = """
 import sys
-from aclnn_client import transfer
-transfer.CHUNK_BYTES = int(sys.argv[1])
+from aclnn_common import chunks
+chunks.CHUNK_BYTES = int(sys.argv[1])
 from aclnn_server.cli import main
 sys.exit(main(["--port", "0", "--backend", "numpy", "--log-level", "WARNING"]))
 """
@@ -38,15 +38,15 @@ def sweep_one(chunk_bytes: int, data: np.ndarray, repeats: int) -> tuple[float, 
         with grpc.insecure_channel(address, options) as channel:
             stub = pb_grpc.AclnnStub(channel)
             metadata = (("x-aclnn-session", "sweep"),)
-            view = transfer.byte_view(data)
+            view = chunks.byte_view(data)
             out = np.empty_like(data)
             up, down = [], []
             for _ in range(repeats):
                 started = time.perf_counter()
-                handle = stub.UploadTensor(transfer.to_chunks(view, chunk_bytes), metadata=metadata)
+                handle = stub.UploadTensor(chunks.to_chunks(view, chunk_bytes), metadata=metadata)
                 up.append(time.perf_counter() - started)
                 started = time.perf_counter()
-                transfer.receive_into(out, stub.DownloadTensor(handle, metadata=metadata))
+                chunks.receive_into(out, stub.DownloadTensor(handle, metadata=metadata))
                 down.append(time.perf_counter() - started)
                 stub.FreeTensor(handle, metadata=metadata)
             assert np.array_equal(out, data)

@@ -149,7 +149,7 @@ def main() -> int:
     parser.add_argument("--backend", default="auto", help="aclnn-serve backend (default auto)")
     args = parser.parse_args()
     from aclnn_client import Client
-    from aclnn_client._proto import aclnn_pb2 as pb
+    from aclnn_common._proto import aclnn_pb2 as pb
 
     large_rows, repeats, small_calls = (2048, 5, 300) if args.quick else (8192, 7, 1000)
     server = subprocess.Popen(

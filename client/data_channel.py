@@ -7,34 +7,7 @@ buffers (`sendall` / `recv_into`, no copies), at several GB/s over loopback. It 
 TCP (with gRPC's TLS when gRPC has it) and, for a client on the server's host, over the
 server's Unix domain socket, which also takes shared-memory regions.
 
-Protocol (little endian). A connection opens with MAGIC and a ticket from the
-OpenDataChannel RPC; the server answers with a reply frame. Then the client sends
-requests, one at a time, each answered by one reply (UPLOAD: two), and sends nothing
-else while it waits (the server takes a closed connection for a cancelled call):
-
-    request  = kind:u8 has_stream:u8 stream:i64 timeout_ms:u32 length:u64, payload
-    reply    = ok:u8 length:u64, payload   (ok = 0: the payload is a google.rpc.Status)
-
-    CALL      payload = name_length:u8 method name, request message; reply: the response message
-    UPLOAD    length = the tensor's size; reply (empty) when the bytes are accepted, then the
-              client sends them; reply: TensorHandle
-    DOWNLOAD  payload = TensorHandle message; reply: the raw bytes
-    REGISTER_REGION    (Unix socket) payload = size:u64, with one memfd passed as SCM_RIGHTS
-              ancillary data, sealed against shrinking and growing; reply: the region's id (ASCII),
-              valid in RegionSlice.region for this session
-    UNREGISTER_REGION  payload = the region's id; reply: empty
-    MAILBOX   (Unix socket) payload = size:u64, with one memfd passed as SCM_RIGHTS, sealed like a
-              region, at most MAILBOX_MAX_BYTES: the connection's mailbox from now on (it replaces
-              a smaller one); reply: empty
-
-A CALL whose payload is larger than one Unix-socket buffer holds (MAILBOX_FROM) travels in the
-connection's mailbox instead: kind = CALL | IN_MAILBOX, the payload at the mailbox's start and
-nothing after the header. Over a stream socket such a payload arrives in pieces of ~36.5 KiB,
-each of which wakes a thread of the server; through the mailbox only the header moves, in one
-piece. The server copies the payload out of the mailbox into memory of its own before parsing
-it (the client can change the mailbox at any time): from a read-only mapping of its first 64 KiB,
-or with pread beyond. It never writes the mailbox; replies come over the socket. A mailbox lives
-and dies with its connection.
+The protocol is in aclnn_common/framing.py.
 """
 
 from __future__ import annotations
@@ -43,7 +16,6 @@ import contextlib
 import select
 import socket
 import ssl
-import struct
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -52,34 +24,33 @@ import grpc
 import numpy as np
 from google.rpc import status_pb2
 
-from ._proto import aclnn_pb2 as pb
-from .errors import AclnnError, Status
-from .transfer import Region
-from .wire import decode_status
+from aclnn_common._proto import aclnn_pb2 as pb
+from aclnn_common.errors import AclnnError, Status
+from aclnn_common.framing import (
+    CALL,
+    DOWNLOAD,
+    IN_MAILBOX,
+    MAGIC,
+    MAILBOX,
+    MAILBOX_FROM,
+    MAILBOX_MAX_BYTES,
+    METHODS,
+    REGION,
+    REGISTER_REGION,
+    REPLY,
+    REQUEST,
+    UNREGISTER_REGION,
+    UPLOAD,
+    ConnectionLost,
+)
+from aclnn_common.wire import decode_status
 
-MAGIC = b"ACLNNDC1"
-TICKET_BYTES = 16
-CALL, UPLOAD, DOWNLOAD, REGISTER_REGION, UNREGISTER_REGION, MAILBOX = 1, 2, 3, 4, 5, 6
-IN_MAILBOX = 0x80  # on a CALL's kind: the payload is in the connection's mailbox
-# A Unix-socket buffer holds ~36.5 KiB (one page-sized head and 32 KiB of pages): payloads above
-# this use the connection's mailbox, made on its first such payload (at least _MAILBOX_START_BYTES,
-# the payload's size rounded up to a power of two) and replaced by a larger one as payloads grow.
-MAILBOX_FROM = 32 << 10
-MAILBOX_MAX_BYTES = 16 << 20
+from .regions import Region
+
+# A connection's mailbox is made on its first payload above MAILBOX_FROM: at least this large (the
+# payload's size rounded up to a power of two), and replaced by a larger one as payloads grow.
 _MAILBOX_START_BYTES = 256 << 10
-REQUEST = struct.Struct("<BBqIQ")
-REPLY = struct.Struct("<BQ")
-REGION = struct.Struct("<Q")
-# The unary methods the data channel carries: request and reply message types.
-METHODS: dict[str, tuple[type, type]] = {
-    "GetWorkspaceSize": (pb.OpCall, pb.WorkspacePlan),
-    "Execute": (pb.ExecuteRequest, pb.ExecuteResponse),
-    "Run": (pb.OpCall, pb.RunResponse),
-    "SetExecutorRepeatable": (pb.ExecutorRef, pb.Empty),
-    "DestroyExecutor": (pb.ExecutorRef, pb.Empty),
-    "FreeTensor": (pb.TensorHandle, pb.Empty),
-    "KeepAlive": (pb.Empty, pb.Empty),
-}
+
 # Payloads up to this size are sent in one piece with their header (one syscall, one small copy).
 _COALESCE_BYTES = 64 << 10
 # Strided downloads are scattered through a bounce buffer of this size.
@@ -87,10 +58,6 @@ _BOUNCE_BYTES = 4 << 20
 # A pooled connection idle longer than this is checked before use: the server may have closed it
 # (it reaps idle connections, or restarted). Busier ones skip the check: a closed one fails its call.
 _CHECK_IDLE_S = 0.5
-
-
-class ConnectionLost(Exception):
-    """The connection broke mid-exchange (the peer is gone, or a protocol error)."""
 
 
 class NoConnection(Exception):

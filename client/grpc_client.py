@@ -13,19 +13,21 @@ from typing import Any
 
 import grpc
 
-from ._proto import aclnn_pb2 as pb
-from .api import BaseClient, Executor
-from .binding import BoundCall
-from .data_channel import METHODS as DATA_CHANNEL_METHODS
+from aclnn_common._proto import aclnn_pb2 as pb
+from aclnn_common.api import BaseClient, Executor
+from aclnn_common.binding import BoundCall
+from aclnn_common.chunks import receive_into, to_chunks
+from aclnn_common.errors import AclnnError
+from aclnn_common.framing import METHODS as DATA_CHANNEL_METHODS
+from aclnn_common.tensor import Tensor, Value
+from aclnn_common.types import numpy_dtype
+from aclnn_common.wire import decode_error, encode_call
+
 from .data_channel import DataChannel, NoConnection
-from .errors import AclnnError
 from .pool import Pool, data_channel_host, is_loopback, parse_target
+from .regions import Region, RegionPool
 from .staging import Staging
-from .tensor import Tensor, Value
 from .tls import check_token, settings
-from .transfer import Region, RegionPool, to_chunks
-from .types import numpy_dtype
-from .wire import decode_error, encode_call
 
 __all__ = ["Client", "data_channel_host"]
 
@@ -125,6 +127,7 @@ class Client(BaseClient):
         self._closed = threading.Event()
         self._operators: dict[str, tuple[frozenset[str], frozenset[str]]] | None = None
         self._operators_lock = threading.Lock()
+        self._transfers = _Transfers(self)
 
     def close(self) -> None:
         super().close()
@@ -254,7 +257,7 @@ class Client(BaseClient):
         sizes = _output_sizes(call.values, call.output_targets)
         for attempt in range(2):
             replica, _, server_id = executor.id.partition("/")
-            with Staging(self) as staging:
+            with Staging(self._transfers) as staging:
                 request = pb.ExecuteRequest(executor=server_id)
                 for name, tensor in call.inputs().items():
                     staged = staging.input(int(replica), name, tensor)
@@ -279,7 +282,7 @@ class Client(BaseClient):
 
     def _run_once(self, call: BoundCall, stream: int | None) -> None:
         sizes = _output_sizes(call.values, call.output_targets)
-        with Staging(self) as staging:
+        with Staging(self._transfers) as staging:
 
             def build(replica: int) -> pb.OpCall:
                 staging.reset(failed=True)  # a previous attempt's, which failed (its regions may still be written)
@@ -357,6 +360,22 @@ class Client(BaseClient):
         except grpc.RpcError as error:
             raise decode_error(error) from None
         return reply.handle
+
+    def _download(self, replica: int, handle: str, view: Any) -> None:
+        channel = self._data_channel(replica)
+        if channel is not None:
+            try:
+                channel.download(handle, view, self._timeout)
+                return
+            except NoConnection as exc:
+                self._no_connection(replica, exc)
+        chunks = self._pool.stub(replica).DownloadTensor(
+            pb.TensorHandle(handle=handle), metadata=self._metadata(), timeout=self._timeout
+        )
+        try:
+            receive_into(view, chunks)
+        except grpc.RpcError as error:
+            raise decode_error(error) from None
 
     def _data_channel(self, replica: int) -> DataChannel | None:
         """The backend's data channel, asked for once; None when it offers none or cannot be reached."""
@@ -482,6 +501,20 @@ class Client(BaseClient):
                     self._call_on(replica, "KeepAlive", pb.Empty())
                 except Exception as exc:  # the thread must outlive any one failure
                     log.warning("keepalive to %s failed: %s", self._pool.address(replica), exc)
+
+
+class _Transfers:
+    """The client's byte moves as staging sees them (staging.Transfers), so staging needs no client internals."""
+
+    def __init__(self, client: Client) -> None:
+        self.client = client
+        self.shared_memory = client._shared_memory
+        self.upload, self.download, self.free = client._upload, client._download, client._free
+        self.region, self.retire, self.release = client._region, client._retire, client._regions.release
+
+    @property
+    def max_inline_bytes(self) -> int:
+        return self.client.max_inline_bytes
 
 
 def _lost(executor: Executor, error: AclnnError) -> bool:

@@ -34,8 +34,8 @@ from typing import Any
 
 import grpc
 
-from ._proto import aclnn_pb2_grpc as pb_grpc
-from .errors import AclnnError, Status
+from aclnn_common._proto import aclnn_pb2_grpc as pb_grpc
+from aclnn_common.errors import AclnnError, Status
 
 log = logging.getLogger("aclnn_client")
 

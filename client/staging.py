@@ -4,46 +4,54 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-import grpc
 import numpy as np
 
-from ._proto import aclnn_pb2 as pb
-from .data_channel import NoConnection
-from .errors import AclnnError
-from .tensor import Tensor
-from .transfer import Region, byte_view, receive_into
-from .types import numpy_dtype
-from .wire import decode_error, decode_output
+from aclnn_common._proto import aclnn_pb2 as pb
+from aclnn_common.chunks import byte_view
+from aclnn_common.errors import AclnnError
+from aclnn_common.tensor import Tensor
+from aclnn_common.types import numpy_dtype
+from aclnn_common.wire import decode_output
 
-if TYPE_CHECKING:
-    from .grpc_client import Client
+from .regions import Region
+
+
+class Transfers(Protocol):
+    """What staging needs of its client: moving bytes to and from one replica outside the call's message."""
+
+    max_inline_bytes: int  # larger tensors are uploaded, larger results kept on the server
+    shared_memory: bool
+
+    def upload(self, replica: int, data: memoryview) -> str:
+        """Stores the bytes on the replica; returns their handle."""
+
+    def download(self, replica: int, handle: str, view: np.ndarray) -> None:
+        """Writes a result kept on the replica straight into `view`."""
+
+    def free(self, replica: int, handle: str) -> None:
+        """Frees a handle (best effort: the session's lease ends it otherwise)."""
+
+    def region(self, replica: int, size: int) -> tuple[Region, str] | None:
+        """A shared-memory region of at least `size` bytes and its id on the replica, or None."""
+
+    def release(self, regions: list[Region]) -> None:
+        """Gives regions back for reuse."""
+
+    def retire(self, regions: list[Region]) -> None:
+        """Regions of a call that did not end normally: never reused."""
 
 
 class Download:
     """A result kept on the server, streamed straight into the caller's output when written."""
 
-    def __init__(self, client: Client, replica: int, output: pb.OutputTensor) -> None:
-        self.client, self.replica, self.handle = client, replica, output.handle
+    def __init__(self, transfers: Transfers, replica: int, output: pb.OutputTensor) -> None:
+        self.transfers, self.replica, self.handle = transfers, replica, output.handle
         self.dtype, self.shape = numpy_dtype(output.data_type), tuple(output.dims)
 
     def write_into(self, view: np.ndarray) -> None:
-        channel = self.client._data_channel(self.replica)
-        if channel is not None:
-            try:
-                channel.download(self.handle, view, self.client._timeout)
-                return
-            except NoConnection as exc:
-                self.client._no_connection(self.replica, exc)
-        stub = self.client._pool.stub(self.replica)
-        try:
-            chunks = stub.DownloadTensor(
-                pb.TensorHandle(handle=self.handle), metadata=self.client._metadata(), timeout=self.client._timeout
-            )
-            receive_into(view, chunks)
-        except grpc.RpcError as error:
-            raise decode_error(error) from None
+        self.transfers.download(self.replica, self.handle, view)
 
 
 class Staging:
@@ -54,8 +62,8 @@ class Staging:
     its late results into them.
     """
 
-    def __init__(self, client: Client) -> None:
-        self.client = client
+    def __init__(self, transfers: Transfers) -> None:
+        self.transfers = transfers
         self.handles: list[tuple[int, str]] = []
         self.regions: list[Region] = []
         self.output_regions: dict[str, Region] = {}
@@ -75,11 +83,11 @@ class Staging:
     def reset(self, failed: bool) -> None:
         """Gives back what an attempt took (at the end, or after a failed attempt before a retry)."""
         for replica, handle in self.handles:
-            self.client._free(replica, handle)
+            self.transfers.free(replica, handle)
         if failed:
-            self.client._retire(self.regions)
+            self.transfers.retire(self.regions)
         else:
-            self.client._regions.release(self.regions)
+            self.transfers.release(self.regions)
         self.handles, self.regions, self.output_regions, self.kept = [], [], {}, False
 
     def input(self, replica: int, name: str, tensor: Tensor) -> bytes | pb.StorageRef:
@@ -89,9 +97,9 @@ class Staging:
         if region is not None:
             region[0].array[: data.nbytes] = np.frombuffer(data, np.uint8)
             return pb.StorageRef(region=pb.RegionSlice(region=region[1], offset=0, size=data.nbytes))
-        if data.nbytes > self.client.max_inline_bytes:
+        if data.nbytes > self.transfers.max_inline_bytes:
             try:
-                handle = self.client._upload(replica, data)
+                handle = self.transfers.upload(replica, data)
             except AclnnError as error:  # an upload refused for its size: the tensor's fault, by its name
                 if error.param != "chunk":
                     raise
@@ -108,7 +116,7 @@ class Staging:
             if region is not None:
                 self.output_regions[name] = region[0]
                 placements[name].region.CopyFrom(pb.RegionSlice(region=region[1], offset=0, size=size))
-            elif size > self.client.max_inline_bytes:
+            elif size > self.transfers.max_inline_bytes:
                 placements[name].keep_on_server = True
                 self.kept = True
 
@@ -117,7 +125,7 @@ class Staging:
         for name, output in outputs.items():
             if output.handle:
                 self.handles.append((replica, output.handle))
-                results[name] = Download(self.client, replica, output)
+                results[name] = Download(self.transfers, replica, output)
             elif name in self.output_regions:
                 dtype, dims = numpy_dtype(output.data_type), tuple(output.dims)
                 buffer = self.output_regions[name].array[: math.prod(dims) * dtype.itemsize]
@@ -128,9 +136,9 @@ class Staging:
 
     def _region(self, replica: int, size: int) -> tuple[Region, str] | None:
         """A region for `size` bytes and its id on the replica; None: the bytes go another way."""
-        if not self.client._shared_memory or size == 0:
+        if not self.transfers.shared_memory or size == 0:
             return None
-        region = self.client._region(replica, size)
+        region = self.transfers.region(replica, size)
         if region is not None:
             self.regions.append(region[0])
         return region

@@ -7,9 +7,9 @@ import contextlib
 import time
 from collections.abc import Callable, Hashable, Iterator
 
-from aclnn_client.errors import Status
+from aclnn_common.errors import Status
 
-from .executors import CapacityError
+from .errors import CapacityError
 from .ledger import RUNNING, Hold, MemoryLedger
 
 

@@ -14,9 +14,9 @@ from typing import Any
 
 import numpy as np
 
-from aclnn_client.errors import invalid_error
-from aclnn_client.tensor import Tensor
-from aclnn_client.types import DataType, Format, numpy_dtype
+from aclnn_common.errors import invalid_error
+from aclnn_common.tensor import Tensor
+from aclnn_common.types import DataType, Format, numpy_dtype
 
 MAX_RANK = 8
 # Element counts and byte lengths above this are rejected (SPEC 1.4 rule 3); it also

@@ -16,8 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from aclnn_client.errors import AclnnError, Status, invalid_error
-from aclnn_client.tensor import BoolArray, IntArray, Tensor, Value
+from aclnn_common.errors import AclnnError, Status, invalid_error
+from aclnn_common.tensor import BoolArray, IntArray, Tensor, Value
 
 from .admission import Admission
 from .backends import Backend, create_backend

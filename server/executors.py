@@ -8,20 +8,15 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
-from aclnn_client.errors import AclnnError, Status, invalid_error
+from aclnn_common.errors import Status, invalid_error
 
+from .errors import CapacityError
+from .ledger import Hold
 from .registry import Operator, Plan
 
-if TYPE_CHECKING:
-    from .ledger import Hold
-
 T = TypeVar("T")
-
-
-class CapacityError(AclnnError):
-    """The server cannot take more work of this kind now; retrying later may succeed."""
 
 
 @dataclass

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import threading
 
-from aclnn_client.errors import Status, invalid_error
+from aclnn_common.errors import Status, invalid_error
 
-from .executors import CapacityError
+from .errors import CapacityError
 
 # Running calls' holds end by themselves (waiting for them can help); the others (messages
 # of calls that wait too, uploads, kept results, executor data) end only with their call, or

@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from aclnn_client.api import BaseClient, Executor
-from aclnn_client.binding import BoundCall
-from aclnn_client.tensor import Value
+from aclnn_common.api import BaseClient, Executor
+from aclnn_common.binding import BoundCall
+from aclnn_common.tensor import Value
 
 from .engine import CallContext, Engine
 

@@ -13,9 +13,9 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from aclnn_client.errors import invalid_error, null_error
-from aclnn_client.tensor import BoolArray, IntArray, Value
-from aclnn_client.types import PRIVATE_FORMATS, DataType
+from aclnn_common.errors import invalid_error, null_error
+from aclnn_common.tensor import BoolArray, IntArray, Value
+from aclnn_common.types import PRIVATE_FORMATS, DataType
 
 from .descriptors import TensorDesc, validate_tensor
 

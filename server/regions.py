@@ -14,7 +14,7 @@ import os
 import stat
 from dataclasses import dataclass
 
-from aclnn_client.errors import invalid_error
+from aclnn_common.errors import invalid_error
 
 from .ledger import Hold
 

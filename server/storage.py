@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from aclnn_client.errors import Status, invalid_error
+from aclnn_common.errors import Status, invalid_error
 
-from .executors import CapacityError
+from .errors import CapacityError
 from .ledger import Hold, MemoryLedger
 from .regions import MAX_REGIONS_PER_IDENTITY, MappedRegion
 

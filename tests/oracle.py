@@ -88,7 +88,7 @@ def reshape(name: str, shape):
 def retag(a: np.ndarray, fmt: int):
     """The same array as a tensor carrying another format tag."""
     from aclnn_client import create_tensor
-    from aclnn_client.types import data_type_of
+    from aclnn_common.types import data_type_of
 
     strides = [s // a.itemsize for s in a.strides]
     return create_tensor(a.shape, data_type_of(a.dtype), strides, 0, fmt, [a.size], a)

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 from numpy.lib.stride_tricks import as_strided
 
-from aclnn_client.binding import bind
-from aclnn_client.tensor import Tensor, tensor_from_array
-from aclnn_client.wire import encode_call, encode_value
+from aclnn_common.binding import bind
+from aclnn_common.tensor import Tensor, tensor_from_array
+from aclnn_common.wire import encode_call, encode_value
 
 OP = "aclnnLayerNormBackward"
 OUTPUTS = frozenset({"gradInputOut", "gradWeightOut", "gradBiasOut"})

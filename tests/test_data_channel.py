@@ -15,11 +15,12 @@ from oracle import Untouched, assert_close
 from test_transport import wait_for
 
 from aclnn_client import AclnnError, Client
-from aclnn_client._proto import aclnn_pb2 as pb
-from aclnn_client._proto import aclnn_pb2_grpc as pb_grpc
-from aclnn_client.data_channel import CALL, DOWNLOAD, MAGIC, REPLY, REQUEST, UPLOAD, recv_exact
+from aclnn_client.data_channel import recv_exact
 from aclnn_client.grpc_client import data_channel_host
-from aclnn_client.wire import decode_status
+from aclnn_common._proto import aclnn_pb2 as pb
+from aclnn_common._proto import aclnn_pb2_grpc as pb_grpc
+from aclnn_common.framing import CALL, DOWNLOAD, MAGIC, REPLY, REQUEST, UPLOAD
+from aclnn_common.wire import decode_status
 
 OP = "aclnnLayerNormBackward"
 OUTPUTS = ("gradInputOut", "gradWeightOut", "gradBiasOut")

@@ -22,10 +22,10 @@ from test_processes import broadcast_call
 from test_transport import wait_for
 
 from aclnn_client import Client
-from aclnn_client.binding import bind
-from aclnn_client.data_channel import CALL, MAGIC, REQUEST
-from aclnn_client.transfer import byte_view
-from aclnn_client.wire import encode_call
+from aclnn_common.binding import bind
+from aclnn_common.chunks import byte_view
+from aclnn_common.framing import CALL, MAGIC, REQUEST
+from aclnn_common.wire import encode_call
 
 OP = "aclnnLayerNormBackward"
 MIB = 1 << 20

@@ -116,7 +116,7 @@ def test_input_bytes_with_the_plan_or_with_execute(rng):
     engine = Engine("numpy")
     p = layer_norm_call(rng, (3, 4))
     client = LocalClient()
-    from aclnn_client.binding import bind
+    from aclnn_common.binding import bind
 
     call = bind(OP, p, frozenset({"gradInputOut", "gradWeightOut", "gradBiasOut"}))
     _, executor = engine.get_workspace_size(OP, call.descriptors())

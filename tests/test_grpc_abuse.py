@@ -29,10 +29,10 @@ from layer_norm_cases import layer_norm_call
 from test_processes import broadcast_call, free_port, in_flight
 
 from aclnn_client import AclnnError, Client
-from aclnn_client._proto import aclnn_pb2 as pb
-from aclnn_client._proto import aclnn_pb2_grpc as pb_grpc
-from aclnn_client.binding import bind
-from aclnn_client.wire import encode_call
+from aclnn_common._proto import aclnn_pb2 as pb
+from aclnn_common._proto import aclnn_pb2_grpc as pb_grpc
+from aclnn_common.binding import bind
+from aclnn_common.wire import encode_call
 
 OP = "aclnnLayerNormBackward"
 OUTPUTS = frozenset({"gradInputOut", "gradWeightOut", "gradBiasOut"})

@@ -27,15 +27,9 @@ from test_shared_memory import (
 from test_transport import wait_for
 
 from aclnn_client import AclnnError, Client
-from aclnn_client._proto import aclnn_pb2 as pb
-from aclnn_client.data_channel import (
-    CALL,
-    IN_MAILBOX,
-    MAILBOX,
-    MAILBOX_MAX_BYTES,
-    REGION,
-)
-from aclnn_client.wire import decode_output
+from aclnn_common._proto import aclnn_pb2 as pb
+from aclnn_common.framing import CALL, IN_MAILBOX, MAILBOX, MAILBOX_MAX_BYTES, REGION
+from aclnn_common.wire import decode_output
 
 MIB = 1 << 20
 MAPPED = 64 << 10  # the head of a mailbox the server maps (read-only); the rest it reads with pread

@@ -8,8 +8,8 @@ from layer_norm_cases import layer_norm_call, layer_norm_reference
 from oracle import assert_close
 
 from aclnn_client import AclnnError
-from aclnn_client.binding import bind
-from aclnn_client.tensor import BoolArray, IntArray
+from aclnn_common.binding import bind
+from aclnn_common.tensor import BoolArray, IntArray
 from aclnn_server import Engine, LocalClient
 from aclnn_server.engine import PlanCache, plan_key
 

@@ -19,10 +19,10 @@ from layer_norm_cases import layer_norm_call, layer_norm_reference
 from oracle import assert_close
 
 from aclnn_client import AclnnError, Client
-from aclnn_client._proto import aclnn_pb2 as pb
-from aclnn_client._proto import aclnn_pb2_grpc as pb_grpc
-from aclnn_client.binding import bind
-from aclnn_client.wire import encode_call
+from aclnn_common._proto import aclnn_pb2 as pb
+from aclnn_common._proto import aclnn_pb2_grpc as pb_grpc
+from aclnn_common.binding import bind
+from aclnn_common.wire import encode_call
 
 OP = "aclnnLayerNormBackward"
 

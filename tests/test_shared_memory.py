@@ -25,9 +25,9 @@ from test_transport import wait_for
 
 import aclnn_client.grpc_client
 from aclnn_client import AclnnError, Client
-from aclnn_client._proto import aclnn_pb2 as pb
-from aclnn_client._proto import aclnn_pb2_grpc as pb_grpc
-from aclnn_client.data_channel import CALL, MAGIC, REGION, REGISTER_REGION, REQUEST, UNREGISTER_REGION
+from aclnn_common._proto import aclnn_pb2 as pb
+from aclnn_common._proto import aclnn_pb2_grpc as pb_grpc
+from aclnn_common.framing import CALL, MAGIC, REGION, REGISTER_REGION, REQUEST, UNREGISTER_REGION
 
 OP = "aclnnLayerNormBackward"
 OUTPUTS = ("gradInputOut", "gradWeightOut", "gradBiasOut")
@@ -72,9 +72,9 @@ def refused(answer: tuple[bool, bytes], words: str) -> None:
 
 def region_call(p: dict, region: str, offsets: dict[str, int]) -> pb.OpCall:
     """The LayerNorm call of `p` with the named inputs read from `region` at `offsets`, the rest inline."""
-    from aclnn_client.binding import bind
-    from aclnn_client.transfer import byte_view
-    from aclnn_client.wire import encode_call
+    from aclnn_common.binding import bind
+    from aclnn_common.chunks import byte_view
+    from aclnn_common.wire import encode_call
 
     bound = bind(OP, p, frozenset(OUTPUTS))
     call = encode_call(OP, bound.descriptors())

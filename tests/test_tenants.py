@@ -26,10 +26,10 @@ from oracle import assert_close
 from test_processes import broadcast_call, free_port, start_server
 
 from aclnn_client import AclnnError, Client
-from aclnn_client._proto import aclnn_pb2 as pb
-from aclnn_client._proto import aclnn_pb2_grpc as pb_grpc
-from aclnn_client.binding import bind
-from aclnn_client.wire import encode_call
+from aclnn_common._proto import aclnn_pb2 as pb
+from aclnn_common._proto import aclnn_pb2_grpc as pb_grpc
+from aclnn_common.binding import bind
+from aclnn_common.wire import encode_call
 
 OP = "aclnnLayerNormBackward"
 OUTPUTS = frozenset({"gradInputOut", "gradWeightOut", "gradBiasOut"})
@@ -178,8 +178,8 @@ import numpy as np
 sys.path.insert(0, {tests!r})
 from layer_norm_cases import layer_norm_call
 from aclnn_client import Client
-from aclnn_client._proto import aclnn_pb2 as pb
-from aclnn_client._proto import aclnn_pb2_grpc as pb_grpc
+from aclnn_common._proto import aclnn_pb2 as pb
+from aclnn_common._proto import aclnn_pb2_grpc as pb_grpc
 from test_tenants import metadata, op_call
 
 rng = np.random.default_rng(0)

@@ -27,7 +27,7 @@ from torch import nn
 
 from aclnn_client import AclnnError, Client, Format, create_tensor
 from aclnn_client.torch import batch_norm, layer_norm, offload_norms, restore_norms
-from aclnn_client.types import data_type_of
+from aclnn_common.types import data_type_of
 from aclnn_server import LocalClient
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -485,7 +485,7 @@ def test_tensors_numpy_cannot_see_are_refused(any_client, rng):
 
 
 def test_importing_the_client_does_not_import_torch():
-    code = "import sys, aclnn_client, aclnn_client.binding; assert 'torch' not in sys.modules, 'torch imported'"
+    code = "import sys, aclnn_client, aclnn_common.binding; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 

@@ -16,8 +16,8 @@ from layer_norm_cases import layer_norm_call, layer_norm_reference
 from oracle import assert_close, t64
 
 from aclnn_client import AclnnError, Client
-from aclnn_client._proto import aclnn_pb2 as pb
-from aclnn_client._proto import aclnn_pb2_grpc as pb_grpc
+from aclnn_common._proto import aclnn_pb2 as pb
+from aclnn_common._proto import aclnn_pb2_grpc as pb_grpc
 
 OP = "aclnnLayerNormBackward"
 MIB = 1 << 20

@@ -11,8 +11,8 @@ from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
 from aclnn_client import Client
-from aclnn_client._proto import aclnn_pb2 as pb
-from aclnn_client._proto import aclnn_pb2_grpc as pb_grpc
+from aclnn_common._proto import aclnn_pb2 as pb
+from aclnn_common._proto import aclnn_pb2_grpc as pb_grpc
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -107,12 +107,12 @@ def test_list_operators(server_address):
 
 
 def test_generated_code_is_current():
-    """client/_proto must be what proto/generate.py makes from the .proto today."""
+    """common/_proto must be what proto/generate.py makes from the .proto today."""
     sys.path.insert(0, str(ROOT / "proto"))
     try:
         import generate
     finally:
         sys.path.pop(0)
     for name, text in generate.generate().items():
-        committed = (ROOT / "client" / "_proto" / name).read_text()
-        assert committed == text, f"client/_proto/{name} is stale: run python proto/generate.py"
+        committed = (ROOT / "common" / "_proto" / name).read_text()
+        assert committed == text, f"common/_proto/{name} is stale: run python proto/generate.py"

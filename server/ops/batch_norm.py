@@ -20,7 +20,7 @@ import math
 
 import numpy as np
 
-from aclnn_client.types import Format
+from aclnn_common.types import Format
 
 from ..params import (
     CallParams,

@@ -15,8 +15,8 @@ import math
 
 import numpy as np
 
-from aclnn_client.errors import null_error
-from aclnn_client.types import DataType, Format
+from aclnn_common.errors import null_error
+from aclnn_common.types import DataType, Format
 
 from ..descriptors import TensorDesc
 from ..params import (

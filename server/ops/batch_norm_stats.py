@@ -13,7 +13,7 @@ import math
 
 import numpy as np
 
-from aclnn_client.types import DataType
+from aclnn_common.types import DataType
 
 from ..params import CallParams, Kind, Signature, check, check_float_dtypes, check_plain_formats, output, scalar, tensor
 from ..registry import Operator, Plan, plan_from

@@ -14,7 +14,7 @@ import math
 
 import numpy as np
 
-from aclnn_client.types import PRIVATE_FORMATS, Format
+from aclnn_common.types import PRIVATE_FORMATS, Format
 
 from ..descriptors import TensorDesc
 from ..params import (

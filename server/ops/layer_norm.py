@@ -12,7 +12,7 @@ import math
 
 import numpy as np
 
-from aclnn_client.types import DataType
+from aclnn_common.types import DataType
 
 from ..params import (
     FLOAT_TYPES,

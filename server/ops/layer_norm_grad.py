@@ -6,7 +6,7 @@ import math
 
 import numpy as np
 
-from aclnn_client.types import DataType
+from aclnn_common.types import DataType
 
 from ..params import (
     CallParams,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from aclnn_client.types import DataType
+from aclnn_common.types import DataType
 
 from ..descriptors import TensorDesc
 from ..params import (

@@ -1,4 +1,4 @@
-"""The server side of the data channel (protocol: aclnn_client/data_channel.py).
+"""The server side of the data channel (protocol: aclnn_common/framing.py).
 
 Listeners beside the gRPC port: TCP (with the gRPC port's TLS when it has it) and a Unix
 domain socket for clients on this host, which also takes shared-memory regions (memfds
@@ -48,8 +48,9 @@ import numpy as np
 from google.protobuf.message import DecodeError
 from google.rpc import code_pb2, status_pb2
 
-from aclnn_client._proto import aclnn_pb2 as pb
-from aclnn_client.data_channel import (
+from aclnn_common._proto import aclnn_pb2 as pb
+from aclnn_common.errors import AclnnError, invalid_error
+from aclnn_common.framing import (
     CALL,
     DOWNLOAD,
     IN_MAILBOX,
@@ -66,7 +67,6 @@ from aclnn_client.data_channel import (
     UPLOAD,
     ConnectionLost,
 )
-from aclnn_client.errors import AclnnError, invalid_error
 
 from ..engine import CallContext
 from ..regions import RegionOffer, checked_memfd

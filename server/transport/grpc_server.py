@@ -15,10 +15,10 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from grpc_status import rpc_status
 
-from aclnn_client._proto import aclnn_pb2 as pb
-from aclnn_client._proto import aclnn_pb2_grpc as pb_grpc
-from aclnn_client.errors import invalid_error
-from aclnn_client.transfer import to_chunks
+from aclnn_common._proto import aclnn_pb2 as pb
+from aclnn_common._proto import aclnn_pb2_grpc as pb_grpc
+from aclnn_common.chunks import to_chunks
+from aclnn_common.errors import invalid_error
 
 from ..config import ServerOptions
 from ..engine import CallContext, Engine, default_memory_budget

@@ -22,9 +22,9 @@ from typing import Any
 import grpc
 from grpc_status import rpc_status
 
-from aclnn_client.errors import Status
+from aclnn_common.errors import Status
 
-from ..executors import CapacityError
+from ..errors import CapacityError
 from .auth import caller_identity
 from .service import error_status
 

@@ -20,13 +20,13 @@ import numpy as np
 from google.protobuf import any_pb2, duration_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 
-from aclnn_client._proto import aclnn_pb2 as pb
-from aclnn_client.errors import AclnnError, Status, invalid_error
+from aclnn_common._proto import aclnn_pb2 as pb
+from aclnn_common.errors import AclnnError, Status, invalid_error
 
 from ..admission import CallAbandoned
 from ..descriptors import MAX_COUNT
 from ..engine import CallContext, Engine
-from ..executors import CapacityError
+from ..errors import CapacityError
 from ..ledger import SMALL_HOLD_BYTES, Hold
 from ..metrics import Metrics
 from ..params import check

@@ -7,9 +7,9 @@ from typing import Any
 
 import numpy as np
 
-from aclnn_client._proto import aclnn_pb2 as pb
-from aclnn_client.tensor import BoolArray, IntArray, Tensor, Value
-from aclnn_client.types import data_type_of
+from aclnn_common._proto import aclnn_pb2 as pb
+from aclnn_common.tensor import BoolArray, IntArray, Tensor, Value
+from aclnn_common.types import data_type_of
 
 StorageResolver = Callable[[pb.StorageRef], Any]
 

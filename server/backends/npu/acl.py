@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from aclnn_client.errors import AclnnError, Status
+from aclnn_common.errors import AclnnError, Status
 
 # aclrtMemMallocPolicy / aclrtMemcpyKind (acl_rt.h)
 ACL_MEM_MALLOC_HUGE_FIRST = 0

@@ -60,7 +60,7 @@ from typing import Any
 
 import numpy as np
 
-from aclnn_client.errors import AclnnError, Status
+from aclnn_common.errors import AclnnError, Status
 
 from ...descriptors import TensorDesc
 from ...registry import Operator, Plan

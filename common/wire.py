@@ -11,9 +11,9 @@ from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
 from ._proto import aclnn_pb2 as pb
+from .chunks import byte_view
 from .errors import AclnnError, Status
 from .tensor import BoolArray, IntArray, Tensor, Value
-from .transfer import byte_view
 from .types import numpy_dtype
 
 _GRPC_CODES = {code.value[0]: code for code in grpc.StatusCode}

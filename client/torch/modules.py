@@ -1,0 +1,176 @@
+"""Whole models: `offload_norms` swaps each norm layer's class for a subclass whose forward runs the
+offloaded op; `restore_norms` swaps it back."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from aclnn_common.api import BaseClient
+
+from .clients import client_id
+from .ops.batch_norm import batch_norm_with_id
+from .ops.group_norm import group_norm_with_id
+from .ops.layer_norm import layer_norm_with_id
+from .ops.rms_norm import rms_norm_with_id
+from .sync_batch_norm import SyncBatchNormFunction
+
+
+class _Binding:
+    """An offloaded module's client: keeps it alive; copies of the module share it; a pickled
+    module comes back unbound (its backward then says so) rather than carrying a connection."""
+
+    def __init__(self, client: BaseClient | None) -> None:
+        self.client = client
+        self.id = client_id(client) if client is not None else 0
+
+    def __deepcopy__(self, memo: dict) -> _Binding:
+        return self
+
+    def __copy__(self) -> _Binding:
+        return self
+
+    def __reduce__(self) -> tuple:
+        return _Binding, (None,)
+
+
+class _OffloadedLayerNorm:
+    """nn.LayerNorm's forward with the remote backward."""
+
+    _aclnn: _Binding
+
+    def forward(self, input: Tensor) -> Tensor:
+        return layer_norm_with_id(input, self.normalized_shape, self.weight, self.bias, self.eps, self._aclnn.id)
+
+
+class _OffloadedBatchNorm:
+    """nn.BatchNorm's forward (torch.nn.modules.batchnorm._BatchNorm.forward) with the remote backward."""
+
+    _aclnn: _Binding
+
+    def forward(self, input: Tensor) -> Tensor:
+        self._check_input_dim(input)
+        running_mean, running_var, bn_training, factor = self._batch_norm_arguments()
+        return batch_norm_with_id(
+            input, running_mean, running_var, self.weight, self.bias, bn_training, factor, self.eps, self._aclnn.id
+        )
+
+    def _batch_norm_arguments(self) -> tuple[Tensor | None, Tensor | None, bool, float]:
+        """Counts the batch; returns the running statistics to use, whether to normalize with the
+        batch's statistics, and the momentum factor (_BatchNorm.forward's logic)."""
+        factor = 0.0 if self.momentum is None else self.momentum
+        if self.training and self.track_running_stats and self.num_batches_tracked is not None:
+            self.num_batches_tracked.add_(1)
+            factor = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
+        bn_training = self.training or (self.running_mean is None and self.running_var is None)
+        track = not self.training or self.track_running_stats
+        running_mean, running_var = (self.running_mean, self.running_var) if track else (None, None)
+        return running_mean, running_var, bn_training, factor
+
+
+class _OffloadedSyncBatchNorm(_OffloadedBatchNorm):
+    """nn.SyncBatchNorm's forward with statistics, normalization and backward on the service and
+    the cross-process reductions through torch.distributed: unlike nn.SyncBatchNorm's, it takes
+    CPU tensors (gloo). Without a process group of two or more, or in eval(), it is the offloaded
+    BatchNorm. Also built directly: `SyncBatchNorm(num_features, ..., process_group=None, client=client)`."""
+
+    def __init__(self, *args: Any, client: BaseClient, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._aclnn = _Binding(client)
+
+    def forward(self, input: Tensor) -> Tensor:
+        self._check_input_dim(input)
+        self._check_non_zero_input_channels(input)
+        running_mean, running_var, bn_training, factor = self._batch_norm_arguments()
+        eps, cid, world_size, group = self.eps, self._aclnn.id, 1, None
+        if bn_training and self.training and dist.is_available() and dist.is_initialized():
+            group = self.process_group or dist.group.WORLD
+            world_size = dist.get_world_size(group)
+        if world_size < 2:
+            return batch_norm_with_id(
+                input, running_mean, running_var, self.weight, self.bias, bn_training, factor, eps, cid
+            )
+        return SyncBatchNormFunction.apply(
+            input, self.weight, self.bias, running_mean, running_var, eps, factor, group, world_size, cid
+        )
+
+
+class _OffloadedRMSNorm:
+    """nn.RMSNorm's forward with the remote backward."""
+
+    _aclnn: _Binding
+
+    def forward(self, x: Tensor) -> Tensor:
+        return rms_norm_with_id(x, self.normalized_shape, self.weight, self.eps, self._aclnn.id)
+
+
+class _OffloadedGroupNorm:
+    """nn.GroupNorm's forward with the remote backward."""
+
+    _aclnn: _Binding
+
+    def forward(self, input: Tensor) -> Tensor:
+        return group_norm_with_id(input, self.num_groups, self.weight, self.bias, self.eps, self._aclnn.id)
+
+
+_BATCH_NORM_FORWARD = nn.modules.batchnorm._BatchNorm.forward
+_STOCK = (  # (class, its stock forward, the offloaded forward's mixin)
+    (nn.LayerNorm, nn.LayerNorm.forward, _OffloadedLayerNorm),
+    (nn.BatchNorm1d, _BATCH_NORM_FORWARD, _OffloadedBatchNorm),
+    (nn.BatchNorm2d, _BATCH_NORM_FORWARD, _OffloadedBatchNorm),
+    (nn.BatchNorm3d, _BATCH_NORM_FORWARD, _OffloadedBatchNorm),
+    (nn.RMSNorm, nn.RMSNorm.forward, _OffloadedRMSNorm),
+    (nn.GroupNorm, nn.GroupNorm.forward, _OffloadedGroupNorm),
+    (nn.SyncBatchNorm, nn.SyncBatchNorm.forward, _OffloadedSyncBatchNorm),
+)
+_offloaded: dict[type, type] = {}  # module class -> its offloaded subclass
+
+
+def _offloaded_class(cls: type) -> type:
+    """The subclass of `cls` with the offloaded forward (one per class, named Offloaded<cls>)."""
+    if cls not in _offloaded:
+        mixin = next(m for base, _, m in _STOCK if issubclass(cls, base))
+        name = f"Offloaded{cls.__name__}"
+        _offloaded[cls] = type(name, (mixin, cls), {"__module__": __name__, "__qualname__": name})
+    return _offloaded[cls]
+
+
+for _stock, _, _ in _STOCK:  # the stock classes' subclasses live here by name, so offloaded models pickle
+    globals()[f"Offloaded{_stock.__name__}"] = _offloaded_class(_stock)
+SyncBatchNorm = _offloaded_class(nn.SyncBatchNorm)
+
+
+def offload_norms(module: nn.Module, client: BaseClient) -> nn.Module:
+    """Makes every nn.LayerNorm, nn.BatchNorm1d/2d/3d, nn.RMSNorm and nn.GroupNorm in `module` (itself
+    included) compute its backward through `client`, in place; returns `module`.
+
+    Each layer's class becomes a subclass whose forward calls `layer_norm` / `batch_norm` / `rms_norm` /
+    `group_norm` here:
+    parameters, buffers and state_dict keys stay as they are. Subclasses that override forward
+    are left alone (their forward is not the one this replaces). Offloading again rebinds the client.
+    """
+    binding = _Binding(client)
+    for m in module.modules():
+        cls = type(m)
+        if cls in _offloaded.values():
+            m._aclnn = binding
+            continue
+        for base, stock_forward, _ in _STOCK:
+            if isinstance(m, base) and cls.forward is stock_forward:
+                m.__class__ = _offloaded_class(cls)
+                m._aclnn = binding
+                break
+    return module
+
+
+def restore_norms(module: nn.Module) -> nn.Module:
+    """Undoes `offload_norms`: every offloaded layer in `module` gets its own class back; returns `module`."""
+    originals = {sub: cls for cls, sub in _offloaded.items()}
+    for m in module.modules():
+        original = originals.get(type(m))
+        if original is not None:
+            m.__class__ = original
+            del m._aclnn
+    return module

@@ -1,0 +1,133 @@
+"""GroupNorm: `aclnn::group_norm` (aten's forward) and `aclnn::group_norm_backward` (aclnnGroupNormBackward)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from aclnn_common.api import BaseClient
+
+from ..clients import client_by_id, client_id, live_client
+from ..gradients import copy_back, empty_gradient, gradient_buffer, staged
+
+
+def _group_sizes(input: Tensor) -> tuple[int, int, int]:
+    """(N, C, HxW) of an [N, C, *] input, as aten's and aclnn's GroupNorm take them."""
+    return input.shape[0], input.shape[1], math.prod(input.shape[2:])
+
+
+@torch.library.custom_op("aclnn::group_norm", mutates_args=())
+def _group_norm_op(
+    input: Tensor, num_groups: int, weight: Tensor | None, bias: Tensor | None, eps: float, client: int
+) -> tuple[Tensor, Tensor, Tensor]:
+    """aten's native_group_norm: (output, mean, rstd), the statistics `[N, group]`; `client` is for the backward."""
+    return torch.ops.aten.native_group_norm(input, weight, bias, *_group_sizes(input), num_groups, eps)
+
+
+@_group_norm_op.register_fake
+def _group_norm_fake(input, num_groups, weight, bias, eps, client):
+    return torch.ops.aten.native_group_norm(input, weight, bias, *_group_sizes(input), num_groups, eps)
+
+
+@torch.library.custom_op("aclnn::group_norm_backward", mutates_args=())
+def _group_norm_backward_op(
+    grad_out: Tensor,
+    input: Tensor,
+    mean: Tensor,
+    rstd: Tensor,
+    weight: Tensor | None,
+    num_groups: int,
+    output_mask: list[bool],
+    client: int,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """aclnnGroupNormBackward through the client; masked-off gradients come back empty.
+
+    The service wants mean, rstd, gamma and the parameter gradients in one dtype, gradOut's or FLOAT:
+    aten's (mean's) unless weight has another, then FLOAT, with the gradients cast to weight's dtype.
+    """
+    grad_input, grad_weight, grad_bias = _group_norm_backward_fake(
+        grad_out, input, mean, rstd, weight, num_groups, output_mask, client
+    )
+    stats = mean.dtype if weight is None or weight.dtype == mean.dtype else torch.float32
+    gamma = None if weight is None else weight.to(stats)
+    remote = staged((grad_weight, grad_bias), (stats,), stats)
+    n, c, hxw = _group_sizes(input)
+    client_by_id(client).run(
+        "aclnnGroupNormBackward",
+        gradOut=grad_out,
+        input=input,
+        mean=mean.to(stats),
+        rstd=rstd.to(stats),
+        gamma=gamma,
+        N=n,
+        C=c,
+        HxW=hxw,
+        group=num_groups,
+        outputMask=list(output_mask),
+        gradInput=grad_input if output_mask[0] else None,
+        gradGammaOut=remote[0] if output_mask[1] else None,
+        gradBetaOut=remote[1] if output_mask[2] else None,
+    )
+    copy_back((grad_weight, grad_bias), remote)
+    return grad_input, grad_weight, grad_bias
+
+
+@_group_norm_backward_op.register_fake
+def _group_norm_backward_fake(grad_out, input, mean, rstd, weight, num_groups, output_mask, client):
+    c = input.shape[1]
+    params_dtype = weight.dtype if weight is not None else mean.dtype
+    return (
+        torch.empty_like(input, memory_format=torch.contiguous_format) if output_mask[0] else empty_gradient(input),
+        gradient_buffer([c], params_dtype, input.device) if output_mask[1] else empty_gradient(input),
+        gradient_buffer([c], params_dtype, input.device) if output_mask[2] else empty_gradient(input),
+    )
+
+
+def _group_norm_setup(ctx: Any, inputs: tuple, output: tuple) -> None:
+    input, num_groups, weight, _bias, _eps, client = inputs
+    _out, mean, rstd = output
+    ctx.mark_non_differentiable(mean, rstd)
+    ctx.save_for_backward(input, weight, mean, rstd)
+    ctx.num_groups, ctx.client = num_groups, client
+    ctx.keep_alive = live_client(client)
+
+
+def _group_norm_backward(ctx: Any, grad_out: Tensor, _grad_mean: Tensor, _grad_rstd: Tensor) -> tuple:
+    input, weight, mean, rstd = ctx.saved_tensors
+    need = ctx.needs_input_grad
+    mask = [need[0], need[2], need[3]]
+    if not any(mask):
+        return (None,) * 6
+    gi, gw, gb = _group_norm_backward_op(grad_out, input, mean, rstd, weight, ctx.num_groups, mask, ctx.client)
+    return gi if mask[0] else None, None, gw if mask[1] else None, gb if mask[2] else None, None, None
+
+
+_group_norm_op.register_autograd(_group_norm_backward, setup_context=_group_norm_setup)
+
+
+def group_norm(
+    input: Tensor,
+    num_groups: int,
+    weight: Tensor | None = None,
+    bias: Tensor | None = None,
+    eps: float = 1e-5,
+    *,
+    client: BaseClient,
+) -> Tensor:
+    """`torch.nn.functional.group_norm` whose backward runs aclnnGroupNormBackward through `client`."""
+    return group_norm_with_id(input, num_groups, weight, bias, eps, client_id(client))
+
+
+def group_norm_with_id(
+    input: Tensor, num_groups: int, weight: Tensor | None, bias: Tensor | None, eps: float, cid: int
+) -> Tensor:
+    # F.group_norm's own checks, with its messages (aten checks the rest)
+    if input.dim() < 2:
+        raise RuntimeError(f"Expected at least 2 dimensions for input tensor but received {input.dim()}")
+    size = [input.shape[0] * input.shape[1] // num_groups, num_groups, *input.shape[2:]]
+    if size[0] * math.prod(size[2:]) == 1:
+        raise ValueError(f"Expected more than 1 value per channel when training, got input size {size}")
+    return _group_norm_op(input, num_groups, weight, bias, eps, cid)[0]

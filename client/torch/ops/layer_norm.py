@@ -1,0 +1,121 @@
+"""LayerNorm: `aclnn::layer_norm` (aten's forward) and `aclnn::layer_norm_backward` (aclnnLayerNormBackward)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from aclnn_common.api import BaseClient
+
+from ..clients import client_by_id, client_id, live_client
+from ..gradients import empty_gradient, gradient_buffer
+
+
+@torch.library.custom_op("aclnn::layer_norm", mutates_args=())
+def _layer_norm_op(
+    input: Tensor, normalized_shape: list[int], weight: Tensor | None, bias: Tensor | None, eps: float, client: int
+) -> tuple[Tensor, Tensor, Tensor]:
+    """aten's native_layer_norm: (output, mean, rstd); `client` is for the backward."""
+    return torch.ops.aten.native_layer_norm(input, normalized_shape, weight, bias, eps)
+
+
+@_layer_norm_op.register_fake
+def _layer_norm_fake(input, normalized_shape, weight, bias, eps, client):
+    return torch.ops.aten.native_layer_norm(input, normalized_shape, weight, bias, eps)
+
+
+@torch.library.custom_op("aclnn::layer_norm_backward", mutates_args=())
+def _layer_norm_backward_op(
+    grad_out: Tensor,
+    input: Tensor,
+    normalized_shape: list[int],
+    mean: Tensor,
+    rstd: Tensor,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    output_mask: list[bool],
+    client: int,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """aclnnLayerNormBackward through the client; masked-off gradients come back empty."""
+    grad_input, grad_weight, grad_bias = _layer_norm_backward_fake(
+        grad_out, input, normalized_shape, mean, rstd, weight, bias, output_mask, client
+    )
+    client_by_id(client).run(
+        "aclnnLayerNormBackward",
+        gradOut=grad_out,
+        input=input,
+        normalizedShape=list(normalized_shape),
+        mean=mean,
+        rstd=rstd,
+        weightOptional=weight,
+        biasOptional=None,  # not used by the math: no need to ship it
+        outputMask=list(output_mask),
+        gradInputOut=grad_input if output_mask[0] else None,
+        gradWeightOut=grad_weight if output_mask[1] else None,
+        gradBiasOut=grad_bias if output_mask[2] else None,
+    )
+    return grad_input, grad_weight, grad_bias
+
+
+@_layer_norm_backward_op.register_fake
+def _layer_norm_backward_fake(grad_out, input, normalized_shape, mean, rstd, weight, bias, output_mask, client):
+    params_dtype = weight.dtype if weight is not None else input.dtype
+    return (
+        torch.empty_like(input, memory_format=torch.contiguous_format) if output_mask[0] else empty_gradient(input),
+        gradient_buffer(normalized_shape, params_dtype, input.device) if output_mask[1] else empty_gradient(input),
+        gradient_buffer(normalized_shape, bias.dtype if bias is not None else params_dtype, input.device)
+        if output_mask[2]
+        else empty_gradient(input),
+    )
+
+
+def _layer_norm_setup(ctx: Any, inputs: tuple, output: tuple) -> None:
+    input, normalized_shape, weight, bias, _eps, client = inputs
+    _out, mean, rstd = output
+    ctx.mark_non_differentiable(mean, rstd)
+    ctx.save_for_backward(input, weight, bias, mean, rstd)
+    ctx.normalized_shape, ctx.client = normalized_shape, client
+    ctx.keep_alive = live_client(client)  # until the backward: a client made just for the call
+
+
+def _layer_norm_backward(ctx: Any, grad_out: Tensor, _grad_mean: Tensor, _grad_rstd: Tensor) -> tuple:
+    input, weight, bias, mean, rstd = ctx.saved_tensors
+    need = ctx.needs_input_grad
+    mask = [need[0], need[2], need[3]]
+    if not any(mask):
+        return None, None, None, None, None, None
+    gi, gw, gb = _layer_norm_backward_op(
+        grad_out, input, ctx.normalized_shape, mean, rstd, weight, bias, mask, ctx.client
+    )
+    return gi if mask[0] else None, None, gw if mask[1] else None, gb if mask[2] else None, None, None
+
+
+_layer_norm_op.register_autograd(_layer_norm_backward, setup_context=_layer_norm_setup)
+
+
+def layer_norm(
+    input: Tensor,
+    normalized_shape: Sequence[int] | int,
+    weight: Tensor | None = None,
+    bias: Tensor | None = None,
+    eps: float = 1e-5,
+    *,
+    client: BaseClient,
+) -> Tensor:
+    """`torch.nn.functional.layer_norm` whose backward runs aclnnLayerNormBackward through `client`."""
+    return layer_norm_with_id(input, normalized_shape, weight, bias, eps, client_id(client))
+
+
+def layer_norm_with_id(
+    input: Tensor,
+    normalized_shape: Sequence[int] | int,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    eps: float,
+    cid: int,
+) -> Tensor:
+    shape = [normalized_shape] if isinstance(normalized_shape, int) else list(normalized_shape)
+    return _layer_norm_op(input, shape, weight, bias, eps, cid)[0]

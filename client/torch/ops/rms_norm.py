@@ -1,0 +1,104 @@
+"""RMSNorm: `aclnn::rms_norm` (aten's forward) and `aclnn::rms_norm_backward` (aclnnRmsNormGrad)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from aclnn_common.api import BaseClient
+
+from ..clients import client_by_id, client_id, live_client
+from ..gradients import empty_gradient, gradient_buffer
+
+
+@torch.library.custom_op("aclnn::rms_norm", mutates_args=())
+def _rms_norm_op(
+    input: Tensor, normalized_shape: list[int], weight: Tensor | None, eps: float | None, client: int
+) -> tuple[Tensor, Tensor]:
+    """aten's _fused_rms_norm: (output, rstd), rstd in FLOAT with the normalized dims kept as 1, as
+    aclnnRmsNormGrad takes it; `client` is for the backward."""
+    return torch.ops.aten._fused_rms_norm(input, normalized_shape, weight, eps)
+
+
+@_rms_norm_op.register_fake
+def _rms_norm_fake(input, normalized_shape, weight, eps, client):
+    return torch.ops.aten._fused_rms_norm(input, normalized_shape, weight, eps)
+
+
+@torch.library.custom_op("aclnn::rms_norm_backward", mutates_args=())
+def _rms_norm_backward_op(
+    grad_out: Tensor,
+    input: Tensor,
+    normalized_shape: list[int],
+    rstd: Tensor,
+    weight: Tensor | None,
+    output_mask: list[bool],
+    client: int,
+) -> tuple[Tensor, Tensor]:
+    """aclnnRmsNormGrad through the client. The operator has no output mask and needs a gamma: it
+    always writes both gradients (an unwanted one comes back empty), with ones for a missing weight,
+    and dgamma in FLOAT (cast to weight's dtype)."""
+    grad_input, grad_weight = _rms_norm_backward_fake(
+        grad_out, input, normalized_shape, rstd, weight, output_mask, client
+    )
+    dx = grad_input if output_mask[0] else torch.empty_like(input, memory_format=torch.contiguous_format)
+    dgamma = grad_weight if output_mask[1] and grad_weight.dtype == torch.float32 else None
+    if dgamma is None:
+        dgamma = gradient_buffer(normalized_shape, torch.float32, input.device)
+    gamma = weight if weight is not None else torch.ones(normalized_shape, dtype=input.dtype, device=input.device)
+    client_by_id(client).run(
+        "aclnnRmsNormGrad", dy=grad_out, x=input, rstd=rstd, gamma=gamma, dxOut=dx, dgammaOut=dgamma
+    )
+    if output_mask[1] and dgamma is not grad_weight:
+        grad_weight.copy_(dgamma)
+    return grad_input, grad_weight
+
+
+@_rms_norm_backward_op.register_fake
+def _rms_norm_backward_fake(grad_out, input, normalized_shape, rstd, weight, output_mask, client):
+    return (
+        torch.empty_like(input, memory_format=torch.contiguous_format) if output_mask[0] else empty_gradient(input),
+        gradient_buffer(normalized_shape, weight.dtype, input.device) if output_mask[1] else empty_gradient(input),
+    )
+
+
+def _rms_norm_setup(ctx: Any, inputs: tuple, output: tuple) -> None:
+    input, normalized_shape, weight, _eps, client = inputs
+    ctx.mark_non_differentiable(output[1])
+    ctx.save_for_backward(input, weight, output[1])
+    ctx.normalized_shape, ctx.client = normalized_shape, client
+    ctx.keep_alive = live_client(client)
+
+
+def _rms_norm_backward(ctx: Any, grad_out: Tensor, _grad_rstd: Tensor) -> tuple:
+    input, weight, rstd = ctx.saved_tensors
+    mask = [ctx.needs_input_grad[0], ctx.needs_input_grad[2]]
+    if not any(mask):
+        return (None,) * 5
+    gi, gw = _rms_norm_backward_op(grad_out, input, ctx.normalized_shape, rstd, weight, mask, ctx.client)
+    return gi if mask[0] else None, None, gw if mask[1] else None, None, None
+
+
+_rms_norm_op.register_autograd(_rms_norm_backward, setup_context=_rms_norm_setup)
+
+
+def rms_norm(
+    input: Tensor,
+    normalized_shape: Sequence[int] | int,
+    weight: Tensor | None = None,
+    eps: float | None = None,
+    *,
+    client: BaseClient,
+) -> Tensor:
+    """`torch.nn.functional.rms_norm` whose backward runs aclnnRmsNormGrad through `client`."""
+    return rms_norm_with_id(input, normalized_shape, weight, eps, client_id(client))
+
+
+def rms_norm_with_id(
+    input: Tensor, normalized_shape: Sequence[int] | int, weight: Tensor | None, eps: float | None, cid: int
+) -> Tensor:
+    shape = [normalized_shape] if isinstance(normalized_shape, int) else list(normalized_shape)
+    return _rms_norm_op(input, shape, weight, eps, cid)[0]

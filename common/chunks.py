@@ -1,0 +1,49 @@
+"""Tensor bytes outside unary messages: flat byte views, and gRPC's chunked upload/download streams."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import numpy as np
+
+from ._proto import aclnn_pb2 as pb
+
+# gRPC upload/download chunk size, from bench/chunks.py on loopback (2 cores): 1-2 MiB moved the
+# most (~0.9-1.5 GB/s each way); 16 MiB half as much. The data channel needs no chunks.
+CHUNK_BYTES = 1 << 20
+
+
+def byte_view(data: object) -> memoryview:
+    """A flat, read-only byte view of a storage (NumPy array or bytes-like) without copying."""
+    if isinstance(data, np.ndarray):
+        return memoryview(np.ascontiguousarray(data).reshape(-1).view(np.uint8))
+    return memoryview(data).cast("B")
+
+
+def to_chunks(data: memoryview, chunk_bytes: int | None = None) -> Iterator[pb.TensorChunk]:
+    """The bytes as in-order TensorChunks (one empty chunk for no bytes); one chunk is copied at a time.
+
+    Uploads (client) and downloads (server) both stream this way, in CHUNK_BYTES by default.
+    """
+    total, chunk_bytes = data.nbytes, chunk_bytes or CHUNK_BYTES
+    for offset in range(0, max(total, 1), chunk_bytes):
+        yield pb.TensorChunk(total_size=total, offset=offset, data=bytes(data[offset : offset + chunk_bytes]))
+
+
+def receive_into(view: np.ndarray, chunks: Iterable[pb.TensorChunk]) -> None:
+    """Writes a downloaded result, chunk by chunk, straight into the caller's output view."""
+    itemsize = view.dtype.itemsize
+    flat = view.reshape(-1).view(np.uint8) if view.flags.c_contiguous else None
+    received = 0
+    for chunk in chunks:
+        data = chunk.data
+        if chunk.offset != received or received + len(data) > view.nbytes:
+            raise ValueError(f"download out of order at byte {chunk.offset} (expected {received})")
+        if flat is not None:
+            flat[received : received + len(data)] = np.frombuffer(data, np.uint8)
+        else:  # a strided output view: chunks are whole elements, placed through the flat iterator
+            first = received // itemsize
+            view.flat[first : first + len(data) // itemsize] = np.frombuffer(data, view.dtype)
+        received += len(data)
+    if received != view.nbytes:
+        raise ValueError(f"download truncated: {received} of {view.nbytes} bytes")

@@ -1,0 +1,63 @@
+"""The data channel's protocol, spoken by the client (aclnn_client.data_channel) and the server.
+
+Protocol (little endian). A connection opens with MAGIC and a ticket from the
+OpenDataChannel RPC; the server answers with a reply frame. Then the client sends
+requests, one at a time, each answered by one reply (UPLOAD: two), and sends nothing
+else while it waits (the server takes a closed connection for a cancelled call):
+
+    request  = kind:u8 has_stream:u8 stream:i64 timeout_ms:u32 length:u64, payload
+    reply    = ok:u8 length:u64, payload   (ok = 0: the payload is a google.rpc.Status)
+
+    CALL      payload = name_length:u8 method name, request message; reply: the response message
+    UPLOAD    length = the tensor's size; reply (empty) when the bytes are accepted, then the
+              client sends them; reply: TensorHandle
+    DOWNLOAD  payload = TensorHandle message; reply: the raw bytes
+    REGISTER_REGION    (Unix socket) payload = size:u64, with one memfd passed as SCM_RIGHTS
+              ancillary data, sealed against shrinking and growing; reply: the region's id (ASCII),
+              valid in RegionSlice.region for this session
+    UNREGISTER_REGION  payload = the region's id; reply: empty
+    MAILBOX   (Unix socket) payload = size:u64, with one memfd passed as SCM_RIGHTS, sealed like a
+              region, at most MAILBOX_MAX_BYTES: the connection's mailbox from now on (it replaces
+              a smaller one); reply: empty
+
+A CALL whose payload is larger than one Unix-socket buffer holds (MAILBOX_FROM) travels in the
+connection's mailbox instead: kind = CALL | IN_MAILBOX, the payload at the mailbox's start and
+nothing after the header. Over a stream socket such a payload arrives in pieces of ~36.5 KiB,
+each of which wakes a thread of the server; through the mailbox only the header moves, in one
+piece. The server copies the payload out of the mailbox into memory of its own before parsing
+it (the client can change the mailbox at any time): from a read-only mapping of its first 64 KiB,
+or with pread beyond. It never writes the mailbox; replies come over the socket. A mailbox lives
+and dies with its connection.
+"""
+
+from __future__ import annotations
+
+import struct
+
+from ._proto import aclnn_pb2 as pb
+
+MAGIC = b"ACLNNDC1"
+TICKET_BYTES = 16
+CALL, UPLOAD, DOWNLOAD, REGISTER_REGION, UNREGISTER_REGION, MAILBOX = 1, 2, 3, 4, 5, 6
+IN_MAILBOX = 0x80  # on a CALL's kind: the payload is in the connection's mailbox
+# A Unix-socket buffer holds ~36.5 KiB (one page-sized head and 32 KiB of pages): payloads above
+# this travel in the connection's mailbox, of at most MAILBOX_MAX_BYTES.
+MAILBOX_FROM = 32 << 10
+MAILBOX_MAX_BYTES = 16 << 20
+REQUEST = struct.Struct("<BBqIQ")
+REPLY = struct.Struct("<BQ")
+REGION = struct.Struct("<Q")
+# The unary methods the data channel carries: request and reply message types.
+METHODS: dict[str, tuple[type, type]] = {
+    "GetWorkspaceSize": (pb.OpCall, pb.WorkspacePlan),
+    "Execute": (pb.ExecuteRequest, pb.ExecuteResponse),
+    "Run": (pb.OpCall, pb.RunResponse),
+    "SetExecutorRepeatable": (pb.ExecutorRef, pb.Empty),
+    "DestroyExecutor": (pb.ExecutorRef, pb.Empty),
+    "FreeTensor": (pb.TensorHandle, pb.Empty),
+    "KeepAlive": (pb.Empty, pb.Empty),
+}
+
+
+class ConnectionLost(Exception):
+    """The connection broke mid-exchange (the peer is gone, or a protocol error)."""
