@@ -1,0 +1,85 @@
+"""One data-channel connection's state between its events, and what a listener lets peers hold."""
+
+from __future__ import annotations
+
+import os
+import select
+import socket
+import ssl
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from google.rpc import status_pb2
+
+from aclnn_common.framing import MAGIC, REQUEST, TICKET_BYTES
+
+from .mailbox import Mailbox
+
+# Each admitted connection's own buffer: a request this small arrives in one read, into memory the
+# connection holds anyway (at most max_connections of them); a larger one is held in the ledger first.
+BUFFER_BYTES = REQUEST.size + (64 << 10)
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one listener lets its peers hold (the server options data_*)."""
+
+    max_connections: int = 128  # admitted connections, all identities together
+    max_per_identity: int = 16  # admitted connections of one identity (a ticket's owner)
+    max_handshakes: int = 64  # connections not admitted yet; beyond, new ones are closed at once
+    handshake_timeout_s: float = 5.0  # to finish TLS and present a ticket; also each request's base allowance
+    idle_timeout_s: float = 60.0  # an admitted connection without a request is closed after this
+    workers: int = 16  # threads serving requests (a queued call holds one while it waits)
+
+
+class ProtocolError(Exception):
+    """The peer broke the protocol (or was refused): the connection is closed."""
+
+
+class Connection:
+    """One connection's state between its events; a worker owns it while `active`."""
+
+    def __init__(self, sock: socket.socket, unix: bool, peer: tuple[int, int, int] | None, deadline: float) -> None:
+        self.sock = sock
+        self.fd = sock.fileno()
+        self.unix = unix
+        self.peer = peer  # (pid, uid, gid) of a Unix-socket peer, from SO_PEERCRED
+        self.tls_pending = isinstance(sock, ssl.SSLSocket)
+        self.admitted = False
+        self.owner: str | None = None
+        self.session: str | None = None
+        self.deadline: float | None = deadline  # of the handshake, or of the request being received
+        self.idle_since = time.monotonic()
+        self.events = select.EPOLLIN
+        self.active = False  # a worker handles it now
+        self.closed = False
+        self.buffer = memoryview(bytearray(len(MAGIC) + TICKET_BYTES))  # what is being received
+        self.got = 0
+        self.need = len(self.buffer)  # bytes of `buffer` the current step waits for
+        self.own_buffer = self.buffer  # the connection's buffer, once admitted
+        self.header: tuple[int, int, int, int, int] | None = None
+        self.payload: memoryview = self.buffer
+        self.hold: Any = None  # the ledger's hold on a large request's payload
+        self.refusal: status_pb2.Status | None = None  # the answer once a refused payload is drained
+        self.discard = 0  # bytes of a refused payload still to drain
+        self.fds: list[int] = []  # descriptors received with the request (Unix socket)
+        self.fds_truncated = False  # it came with more descriptors than that
+        self.mailbox: Mailbox | None = None  # where large CALL payloads come in (Unix socket)
+
+    def next_request(self) -> None:
+        """Waits for a request header, into the connection's own buffer (made at admission)."""
+        if len(self.own_buffer) < BUFFER_BYTES:
+            self.own_buffer = memoryview(bytearray(BUFFER_BYTES))
+        self.buffer, self.got, self.need, self.header, self.deadline = self.own_buffer, 0, REQUEST.size, None, None
+        self.refusal, self.discard = None, 0
+        self.idle_since = time.monotonic()
+
+    def drop_request(self) -> None:
+        """Gives back what the request holds: its memory, descriptors it brought."""
+        if self.hold is not None:
+            self.hold.release()
+            self.hold = None
+        for fd in self.fds:
+            os.close(fd)
+        self.fds, self.fds_truncated = [], False

@@ -1,0 +1,115 @@
+"""Frames on a data-channel connection: a request's bytes read without blocking, replies sent."""
+
+from __future__ import annotations
+
+import socket
+import ssl
+import time
+
+from google.rpc import status_pb2
+
+from aclnn_common.framing import REPLY, ConnectionLost
+
+from .connection import Connection, ProtocolError
+from .descriptors import FD_SPACE, descriptors
+
+# Beyond the base allowance (the handshake timeout), a request's bytes must arrive, and a reply's
+# leave, at least this fast: a 1 GiB tensor gets ~17 minutes, a slow-loris peer a few seconds.
+MIN_BYTES_PER_S = 1 << 20
+# Plain ints once: IntFlag arithmetic is Python code (~2 us an operation, on every request).
+_PEEK_NOW = int(socket.MSG_PEEK | socket.MSG_DONTWAIT)
+_CTRUNC = int(socket.MSG_CTRUNC)
+_COALESCE_BYTES = 64 << 10
+
+
+def status(code: int, message: str) -> status_pb2.Status:
+    return status_pb2.Status(code=code, message=message)
+
+
+def failure_parts(failed: status_pb2.Status) -> tuple[bytes, bytes]:
+    message = failed.SerializeToString()
+    return REPLY.pack(0, len(message)), message
+
+
+def failure(failed: status_pb2.Status) -> bytes:
+    return b"".join(failure_parts(failed))
+
+
+def ok(payload: bytes) -> tuple[bytes, bytes]:
+    return REPLY.pack(1, len(payload)), payload
+
+
+def fill(conn: Connection, allowance_s: float) -> bool:
+    """Reads what has arrived into the rest of `conn.buffer`; True once `conn.need` bytes are there.
+    Never blocks. The request's first bytes start its deadline (`allowance_s` from then)."""
+    view = conn.buffer
+    while conn.got < conn.need:
+        try:
+            if conn.unix:
+                count, ancillary, flags, _ = conn.sock.recvmsg_into([view[conn.got :]], FD_SPACE)
+                if ancillary:
+                    conn.fds += descriptors(ancillary)
+                if flags & _CTRUNC:
+                    conn.fds_truncated = True  # more than room for (closed by the kernel)
+            else:
+                count = conn.sock.recv_into(view[conn.got :])
+        except (BlockingIOError, ssl.SSLWantReadError):
+            return False
+        if count == 0:
+            raise ConnectionLost("closed by the peer" if conn.got else "closed by the peer between requests")
+        if conn.deadline is None:  # the request's first bytes: the whole of it must follow in time
+            conn.deadline = time.monotonic() + allowance_s
+        conn.got += count
+    return True
+
+
+def drain(conn: Connection) -> bool:
+    """Reads and drops a refused payload (the connection stays in step); True once all is gone."""
+    while conn.discard:
+        try:
+            count = conn.sock.recv_into(conn.own_buffer, min(conn.discard, len(conn.own_buffer)))
+        except (BlockingIOError, ssl.SSLWantReadError):
+            return False
+        if count == 0:
+            raise ConnectionLost("closed by the peer")
+        conn.discard -= count
+    return True
+
+
+def send(conn: Connection, header: bytes, payload: bytes | memoryview, allowance_s: float) -> None:
+    """Sends a reply: at once when the socket takes it (small replies), else within a deadline for its size."""
+    nbytes = len(header) + memoryview(payload).nbytes
+    parts = [header + bytes(payload)] if nbytes <= _COALESCE_BYTES else [header, memoryview(payload).cast("B")]
+    sock = conn.sock
+    for part in parts:
+        try:
+            sent = sock.send(part)
+        except (BlockingIOError, ssl.SSLWantWriteError):
+            sent = 0
+        if sent < len(part):
+            sock.settimeout(allowance_s + nbytes / MIN_BYTES_PER_S)
+            try:
+                sock.sendall(memoryview(part)[sent:])
+            finally:
+                sock.setblocking(False)
+
+
+def send_now(conn: Connection, data: bytes) -> None:
+    """A short answer during the handshake: the socket takes it at once, or the peer is not reading."""
+    try:
+        sent = conn.sock.send(data)
+    except (BlockingIOError, ssl.SSLWantWriteError):
+        sent = 0
+    if sent != len(data):
+        raise ProtocolError("the peer does not read")
+
+
+def peer_closed(sock: socket.socket) -> bool:
+    """Whether the peer closed the connection: it sends nothing while it waits for its reply, so
+    readable with no bytes to read means closed. The raw socket is peeked (under TLS too)."""
+    try:
+        return socket.socket.recv(sock, 1, _PEEK_NOW) == b""
+    except (BlockingIOError, InterruptedError):
+        return False
+    except OSError:
+        return True

@@ -1,0 +1,428 @@
+"""The data channel's event loop: listeners, one epoll set and the workers that wait on it, the
+connection table.
+
+No thread belongs to a connection. One accept thread per listener only accepts. Every
+connection then sits in one epoll set, armed for one event at a time (EPOLLONESHOT), and a
+bounded pool of workers waits on that set: the worker a connection wakes advances its
+handshake (TLS, then MAGIC and the ticket) or reads its request without blocking, and only
+a whole request is served, on that worker, which then re-arms the connection. A peer that
+trickles bytes holds a descriptor, never a thread, and a housekeeping thread (every quarter
+second) closes it at its deadline: the handshake's, the request's, or the idle timeout.
+Workers that wait on the set themselves, rather than one loop thread handing
+ready connections to a pool, save a thread hand-off per call, so a small call costs what it
+did with a thread per connection; re-arming from any thread is what EPOLLONESHOT is for.
+
+TLS takes the same non-blocking steps (SSLSocket.do_handshake on a non-blocking socket,
+driven by readiness like the ticket): a slow TLS peer is a slow peer like any other, within
+the same handshake deadline, and no thread ever waits for a handshake's bytes.
+"""
+
+from __future__ import annotations
+
+import collections
+import errno
+import logging
+import os
+import select
+import socket
+import ssl
+import stat
+import struct
+import tempfile
+import threading
+import time
+from typing import Any
+
+from google.rpc import code_pb2, status_pb2
+
+from aclnn_common._proto import aclnn_pb2 as pb
+from aclnn_common.framing import MAGIC, REPLY, ConnectionLost
+
+from ...engine import CallContext
+from ..service import AclnnService
+from .connection import Connection, Limits, ProtocolError
+from .framing import failure, fill, send_now, status
+from .housekeeping import keep_house, overdue
+from .requests import Requests
+from .tickets import Tickets
+
+log = logging.getLogger("aclnn_server")
+
+# The accept loop's pause after a failure (out of descriptors or memory: EMFILE, ENFILE, ENOBUFS,
+# ENOMEM); it keeps listening.
+_BACKOFF_S = 0.1
+_SO_PEERCRED = struct.Struct("3i")  # pid, uid, gid
+
+
+class DataChannelServer:
+    """Listens on TCP `host:port` (0: a free port; None: no TCP) and on a Unix socket, and serves
+    admitted connections.
+
+    `unix_socket`: a path, "auto" (a fresh directory of its own under the temp directory), or
+    None (no Unix socket).
+    """
+
+    def __init__(
+        self,
+        service: AclnnService,
+        host: str,
+        port: int | None,
+        max_message_bytes: int,
+        limits: Limits,
+        tls: ssl.SSLContext | None = None,
+        unix_socket: str | None = None,
+    ) -> None:
+        self.service = service
+        self.tls = tls
+        self.limits = limits
+        self.max_message_bytes = max_message_bytes
+        self._listeners: list[tuple[socket.socket, bool]] = []
+        self.port = 0
+        self.unix_path: str | None = None
+        self._unix_inode = 0
+        self._made_directory: str | None = None
+        try:
+            if port is not None:
+                family = socket.AF_INET6 if ":" in host else socket.AF_INET
+                listener = socket.socket(family, socket.SOCK_STREAM)
+                self._listeners.append((listener, False))
+                # A restarted server takes its port back at once, whatever connections linger in TIME_WAIT.
+                listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                listener.bind((host, port))
+                listener.listen(socket.SOMAXCONN)
+                self.port = listener.getsockname()[1]
+            if unix_socket is not None:
+                try:
+                    self._listeners.append((self._unix_listener(unix_socket), True))
+                except OSError as exc:
+                    if unix_socket != "auto":
+                        raise
+                    log.warning("no Unix socket for the data channel (%s): clients on this host use TCP", exc)
+        except BaseException:
+            self._close_listeners()
+            raise
+        self._tickets = Tickets()
+        self._requests = Requests(service, limits, max_message_bytes)
+        self._conns: dict[int, Connection] = {}
+        self._handshaking = 0
+        self._admitted = 0
+        self._per_identity: collections.Counter[str | None] = collections.Counter()
+        self._lock = threading.Lock()
+        self._stopping = False
+        self._refusing = False  # the handshake cap is being hit (warned once per episode)
+        self._stopped = threading.Event()
+        self._epoll = select.epoll()
+        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._epoll.register(self._wake_r, select.EPOLLIN)  # level-triggered: wakes every worker at stop
+        self._started = False
+        self._workers = 0  # running; the last to leave closes the epoll set
+        service.issue_ticket = self.issue_ticket
+
+    def _unix_listener(self, setting: str) -> socket.socket:
+        if setting == "auto":
+            self._made_directory = tempfile.mkdtemp(prefix="aclnn-serve-")
+            # Others may reach the socket (tickets authenticate them) but not list or add files here.
+            os.chmod(self._made_directory, 0o711)
+            path = os.path.join(self._made_directory, "data.sock")
+        else:
+            path = os.path.abspath(setting)
+            _remove_stale_socket(path)
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            listener.bind(path)
+            self.unix_path, self._unix_inode = path, os.stat(path).st_ino
+            os.chmod(path, 0o666)
+            listener.listen(socket.SOMAXCONN)
+        except BaseException:
+            listener.close()
+            self._remove_unix_path()
+            self.unix_path = self._made_directory = None
+            raise
+        return listener
+
+    def issue_ticket(self, call: CallContext) -> pb.DataChannelTicket:
+        """A ticket admitting connections, for a while, as this caller and session; and where to use it."""
+        ticket = self._tickets.issue(call.owner, call.session)
+        return pb.DataChannelTicket(port=self.port, ticket=ticket, unix_path=self.unix_path or "")
+
+    @property
+    def open_connections(self) -> int:
+        """Admitted connections (connections still in their handshake are not counted)."""
+        with self._lock:
+            return self._admitted
+
+    def start(self) -> None:
+        for listener, unix in self._listeners:
+            threading.Thread(target=self._accept, args=(listener, unix), name="aclnn-data-accept", daemon=True).start()
+        threading.Thread(
+            target=keep_house, args=(self._stopped, self._sweep), name="aclnn-data-housekeeping", daemon=True
+        ).start()
+        self._started, self._workers = True, self.limits.workers
+        for _ in range(self.limits.workers):
+            threading.Thread(target=self._work, name="aclnn-data", daemon=True).start()
+
+    def stop(self, grace: float | None) -> None:
+        """Stops accepting; idle connections close now, busy ones after their current request.
+
+        Returns once every connection closed, or after `grace` seconds; `grace=None` (as
+        grpc.Server.stop) closes busy connections at once too.
+        """
+        with self._lock:
+            if self._stopping:
+                return
+            self._stopping = True
+            for conn in list(self._conns.values()):
+                if not conn.active:
+                    self._close_locked(conn)
+                elif grace is None:
+                    _shutdown(conn.sock)
+        self._close_listeners()
+        self._stopped.set()
+        os.write(self._wake_w, b"x")  # workers with nothing to finish leave
+        if not self._started:
+            self._close_epoll()  # no worker will
+        deadline = time.monotonic() + (grace or 0)
+        while self._conns and time.monotonic() < deadline:
+            time.sleep(0.02)
+
+    def _close_listeners(self) -> None:
+        for listener, _ in self._listeners:
+            _shutdown(listener)  # wakes the accept thread (close alone would not)
+            listener.close()
+        self._remove_unix_path()
+
+    def _remove_unix_path(self) -> None:
+        """Removes the socket file (while it is still ours, not a successor's) and the directory made for it."""
+        if self.unix_path is not None:
+            try:
+                if os.stat(self.unix_path).st_ino == self._unix_inode:
+                    os.unlink(self.unix_path)
+            except OSError:
+                pass
+        if self._made_directory is not None:
+            try:
+                os.rmdir(self._made_directory)
+            except OSError:
+                pass
+
+    # Accepting ------------------------------------------------------------------------------
+
+    def _accept(self, listener: socket.socket, unix: bool) -> None:
+        """Accepts until stop(); out of descriptors or memory it pauses and tries again, never gives up."""
+        trouble = False
+        while True:
+            try:
+                sock, _ = listener.accept()
+            except OSError as exc:
+                if self._stopping:
+                    return
+                if exc.errno in (errno.ECONNABORTED, errno.EINTR):
+                    continue
+                if not trouble:
+                    log.warning("data channel cannot accept connections (%s): retrying every %g s", exc, _BACKOFF_S)
+                    trouble = True
+                time.sleep(_BACKOFF_S)
+                continue
+            if trouble:
+                log.warning("data channel accepts connections again")
+                trouble = False
+            self._add(sock, unix)
+
+    def _add(self, sock: socket.socket, unix: bool) -> None:
+        """Puts a new connection in its handshake, unless too many are there already (then closes it)."""
+        try:
+            peer = _SO_PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)) if unix else None
+            if not unix:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.setblocking(False)
+            if self.tls is not None and not unix:
+                sock = self.tls.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
+        except OSError as exc:
+            log.debug("data channel connection dropped at accept: %s", exc)
+            sock.close()
+            return
+        conn = Connection(sock, unix, peer, time.monotonic() + self.limits.handshake_timeout_s)
+        with self._lock:
+            full = self._handshaking >= self.limits.max_handshakes
+            if not (full or self._stopping):
+                self._refusing = False
+                self._handshaking += 1
+                self._conns[conn.fd] = conn
+                self._epoll.register(conn.fd, select.EPOLLIN | select.EPOLLONESHOT)
+                return
+            warn, self._refusing = full and not self._refusing, full
+        if warn:
+            log.warning(
+                "data channel: %d connections are in their handshake (data_max_handshakes): closing new ones",
+                self.limits.max_handshakes,
+            )
+        sock.close()
+
+    # Workers --------------------------------------------------------------------------------
+
+    def _work(self) -> None:
+        try:
+            while True:
+                for fd, _ in self._epoll.poll(None, 1):
+                    if fd == self._wake_r:
+                        return
+                    conn = self._claim(fd)
+                    if conn is not None:
+                        self._turn(conn)
+        finally:
+            with self._lock:
+                self._workers -= 1
+                last = not self._workers
+            if last:
+                self._close_epoll()
+
+    def _close_epoll(self) -> None:
+        self._epoll.close()
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+
+    def _claim(self, fd: int) -> Connection | None:
+        with self._lock:
+            conn = self._conns.get(fd)
+            if conn is None or conn.active:
+                return None  # gone, or a stale event: the worker that has it re-arms it
+            conn.active = True
+            return conn
+
+    def _turn(self, conn: Connection) -> None:
+        """Whatever the connection is ready for: its handshake, its request (served once whole)."""
+        try:
+            if not conn.admitted and not self._handshake(conn):
+                return self._rearm(conn)
+            while True:
+                header = self._requests.receive(conn)
+                if header is None:
+                    return self._rearm(conn)
+                self._requests.serve(conn, *header)
+                conn.drop_request()
+                conn.next_request()
+                # The peer sends nothing before it has its reply; only TLS may have read ahead.
+                if not (isinstance(conn.sock, ssl.SSLSocket) and conn.sock.pending()):
+                    return self._rearm(conn)
+        except (OSError, ConnectionLost, ProtocolError) as exc:
+            log.debug("data channel connection closed: %s", exc)
+        except Exception:
+            log.exception("data channel connection failed")
+        self._close(conn)
+        return None
+
+    def _rearm(self, conn: Connection) -> None:
+        with self._lock:
+            conn.active = False
+            if self._stopping:
+                self._close_locked(conn)
+            else:
+                self._epoll.modify(conn.fd, conn.events | select.EPOLLONESHOT)
+
+    def _close(self, conn: Connection) -> None:
+        with self._lock:
+            self._close_locked(conn)
+
+    def _close_locked(self, conn: Connection) -> None:
+        if conn.closed:
+            return
+        conn.closed = True
+        del self._conns[conn.fd]
+        if conn.admitted:
+            self._admitted -= 1
+            self._per_identity[conn.owner] -= 1
+            if not self._per_identity[conn.owner]:
+                del self._per_identity[conn.owner]
+        else:
+            self._handshaking -= 1
+        conn.drop_request()
+        if conn.mailbox is not None:
+            conn.mailbox.close()
+        try:
+            self._epoll.unregister(conn.fd)  # before close: the number may be reused at once
+        except OSError:
+            pass
+        conn.sock.close()
+
+    def _sweep(self) -> list[Connection]:
+        """Closes the connections past their deadline or idle for too long; returns them."""
+        with self._lock:
+            expired = overdue(self._conns.values(), time.monotonic(), self.limits.idle_timeout_s)
+            for conn in expired:
+                self._close_locked(conn)
+        return expired
+
+    # Handshake ------------------------------------------------------------------------------
+
+    def _handshake(self, conn: Connection) -> bool:
+        """Advances TLS, then reads MAGIC and the ticket; True once admitted (refusals raise)."""
+        if conn.tls_pending:
+            try:
+                conn.sock.do_handshake()
+            except ssl.SSLWantReadError:
+                conn.events = select.EPOLLIN
+                return False
+            except ssl.SSLWantWriteError:
+                conn.events = select.EPOLLOUT
+                return False
+            conn.tls_pending, conn.events = False, select.EPOLLIN
+        if not fill(conn, self.limits.handshake_timeout_s):
+            return False
+        refusal = self._admit(conn, bytes(conn.buffer))
+        if refusal is not None:
+            send_now(conn, failure(refusal))
+            raise ProtocolError(f"refused: {refusal.message}")
+        send_now(conn, REPLY.pack(1, 0))
+        conn.next_request()
+        return True
+
+    def _admit(self, conn: Connection, hello: bytes) -> status_pb2.Status | None:
+        """Admits the connection as its ticket's caller; else the status it is refused with."""
+        holder = self._tickets.holder(hello[len(MAGIC) :]) if hello[: len(MAGIC)] == MAGIC else None
+        if holder is None:
+            return status(code_pb2.UNAUTHENTICATED, "unknown or expired data-channel ticket")
+        owner, session = holder
+        with self._lock:
+            if conn.peer is not None and (owner or "").startswith("uid:") and owner != f"uid:{conn.peer[1]}":
+                return status(code_pb2.PERMISSION_DENIED, "the ticket was issued to another local user")
+            if self._admitted >= self.limits.max_connections:
+                return status(code_pb2.RESOURCE_EXHAUSTED, f"{self.limits.max_connections} connections are open")
+            if self._per_identity[owner] >= self.limits.max_per_identity:
+                return status(
+                    code_pb2.RESOURCE_EXHAUSTED,
+                    f"this caller has {self.limits.max_per_identity} connections open "
+                    "(--data-max-connections-per-tenant)",
+                )
+            conn.admitted, conn.owner, conn.session, conn.deadline = True, owner, session, None
+            self._handshaking -= 1
+            self._admitted += 1
+            self._per_identity[owner] += 1
+        if conn.peer is not None:
+            log.info("data channel: Unix-socket peer pid=%d uid=%d gid=%d admitted as %s", *conn.peer, owner or "-")
+        return None
+
+
+def _remove_stale_socket(path: str) -> None:
+    """Removes a socket file left by a server that died; refuses to replace anything else."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(mode):
+        raise OSError(f"{path} exists and is not a socket")
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(path)
+    except ConnectionRefusedError:
+        os.unlink(path)  # nothing listens: left behind
+        return
+    finally:
+        probe.close()
+    raise OSError(f"another server listens on {path}")
+
+
+def _shutdown(sock: Any) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass  # not connected, or already closed

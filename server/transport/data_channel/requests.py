@@ -1,0 +1,194 @@
+"""Serving one data-channel request: received whole (an UPLOAD's bytes excepted), then run through
+AclnnService like an RPC, and answered."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+from google.protobuf.message import DecodeError
+from google.rpc import code_pb2, status_pb2
+
+from aclnn_common._proto import aclnn_pb2 as pb
+from aclnn_common.errors import AclnnError, invalid_error
+from aclnn_common.framing import (
+    CALL,
+    DOWNLOAD,
+    IN_MAILBOX,
+    MAILBOX,
+    MAILBOX_MAX_BYTES,
+    METHODS,
+    REGION,
+    REGISTER_REGION,
+    REPLY,
+    REQUEST,
+    UNREGISTER_REGION,
+    UPLOAD,
+    ConnectionLost,
+)
+
+from ...engine import CallContext
+from ...regions import RegionOffer, checked_memfd
+from ..service import AclnnService, failure_status, new_request_id
+from .connection import Connection, Limits, ProtocolError
+from .framing import MIN_BYTES_PER_S, drain, failure_parts, fill, ok, peer_closed, send, status
+from .mailbox import Mailbox
+
+_KINDS = frozenset({CALL, CALL | IN_MAILBOX, UPLOAD, DOWNLOAD, REGISTER_REGION, UNREGISTER_REGION, MAILBOX})
+_WITH_DESCRIPTOR = frozenset({REGISTER_REGION, MAILBOX})
+
+
+class _SocketUpload:
+    """An UPLOAD's bytes: room is confirmed to the client (the reservation held), then they are received."""
+
+    def __init__(self, requests: Requests, conn: Connection, total_size: int) -> None:
+        self.requests, self.conn, self.total_size = requests, conn, total_size
+        self.started = False
+
+    def read_into(self, buffer: memoryview) -> None:
+        self.started = True
+        self.requests.send(self.conn, REPLY.pack(1, 0))
+        deadline = time.monotonic() + self.requests.limits.handshake_timeout_s + buffer.nbytes / MIN_BYTES_PER_S
+        sock, received = self.conn.sock, 0
+        try:
+            while received < buffer.nbytes:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TimeoutError(f"{received} of {buffer.nbytes} bytes arrived before the deadline")
+                sock.settimeout(remaining)
+                count = sock.recv_into(buffer[received:])
+                if count == 0:
+                    raise ConnectionLost(f"connection closed after {received} of {buffer.nbytes} bytes")
+                received += count
+        except (ConnectionLost, TimeoutError) as exc:
+            raise invalid_error("chunk", f"upload truncated: {exc}") from None
+        finally:
+            sock.setblocking(False)
+
+
+class Requests:
+    """Receives an admitted connection's requests and serves them through the service."""
+
+    def __init__(self, service: AclnnService, limits: Limits, max_message_bytes: int) -> None:
+        self.service, self.limits, self.max_message_bytes = service, limits, max_message_bytes
+
+    def receive(self, conn: Connection) -> tuple[int, int, int, int, int] | None:
+        """The request once all of it has arrived (an UPLOAD's bytes come later), else None."""
+        if conn.header is None:
+            if not fill(conn, self.limits.handshake_timeout_s):
+                return None
+            header = REQUEST.unpack_from(conn.buffer)
+            kind, length = header[0], header[4]
+            if kind not in _KINDS:
+                raise ProtocolError(f"unknown request kind {kind}")
+            if kind not in _WITH_DESCRIPTOR:
+                conn.drop_request()  # descriptors only come with a registration
+            in_mailbox = kind == CALL | IN_MAILBOX
+            if in_mailbox and (conn.mailbox is None or length > conn.mailbox.size):
+                raise ProtocolError(f"a {length}-byte request in a mailbox the connection does not have")
+            conn.header, early = header, conn.got - REQUEST.size  # payload bytes read with the header
+            if early > (0 if kind == UPLOAD or in_mailbox else length):
+                raise ProtocolError("bytes beyond the request")  # a client sends one request, then waits
+            if kind == UPLOAD:
+                return header
+            if length > self.max_message_bytes:
+                self.fail(conn, status(code_pb2.RESOURCE_EXHAUSTED, f"request of {length} bytes is over the limit"))
+                raise ProtocolError("request over the message limit")
+            conn.deadline += length / MIN_BYTES_PER_S
+            if REQUEST.size + length <= len(conn.buffer):
+                conn.need = REQUEST.size + length
+                conn.payload = conn.buffer[REQUEST.size : conn.need]
+            else:
+                try:
+                    conn.hold = self.service.ledger.reserve(conn.owner, length, "request", "request")
+                except AclnnError as exc:
+                    conn.refusal, conn.discard = failure_status(exc)[0], 0 if in_mailbox else length - early
+                else:
+                    conn.payload = memoryview(np.empty(length, np.uint8))
+                    conn.payload[:early] = conn.buffer[REQUEST.size : conn.got]
+                    conn.buffer, conn.got, conn.need = conn.payload, early, length
+            if in_mailbox and conn.refusal is None:
+                # Copied out before anything parses it: the client may change its mailbox at any time.
+                if conn.mailbox.read_into(conn.payload) != length:
+                    raise ProtocolError("the mailbox holds less than the request")
+                conn.got = conn.need
+        if not (drain(conn) if conn.refusal is not None else fill(conn, self.limits.handshake_timeout_s)):
+            return None
+        return conn.header
+
+    def serve(self, conn: Connection, kind: int, has_stream: int, stream: int, timeout_ms: int, length: int) -> None:
+        """Serves a whole request on this thread (an UPLOAD receives its bytes here, within a deadline)."""
+        if conn.refusal is not None:
+            return self.fail(conn, conn.refusal)
+        call = CallContext(
+            owner=conn.owner,
+            session=conn.session,
+            stream=stream if has_stream else None,
+            deadline=time.monotonic() + timeout_ms / 1000 if timeout_ms else None,
+            cancelled=lambda: peer_closed(conn.sock),
+            holds=[conn.hold] if conn.hold is not None else [],  # a small request needs none
+        )
+        request_id = new_request_id()
+        if kind == UPLOAD:
+            upload = _SocketUpload(self, conn, length)
+            try:
+                reply = self.service.invoke("UploadTensor", upload, call, request_id)
+            except Exception as exc:
+                if upload.started:  # the rest of the bytes are still on their way: drop the connection
+                    raise ProtocolError(f"upload failed: {exc}") from None
+                return self.fail(conn, failure_status(exc)[0])
+            return self.send(conn, *ok(reply.SerializeToString()))
+        payload = conn.payload
+        try:
+            if kind == DOWNLOAD:
+                buffer = self.service.invoke("DownloadTensor", pb.TensorHandle.FromString(payload), call, request_id)
+                return self.send(conn, REPLY.pack(1, buffer.nbytes), buffer)
+            if kind == REGISTER_REGION:
+                size = REGION.unpack(payload)[0] if length == REGION.size else -1
+                offer = RegionOffer(conn.fds, size, conn.fds_truncated)
+                region_id = self.service.invoke("RegisterRegion", offer, call, request_id)
+                return self.send(conn, *ok(region_id.encode()))
+            if kind == UNREGISTER_REGION:
+                self.service.invoke("UnregisterRegion", bytes(payload).decode(errors="replace"), call, request_id)
+                return self.send(conn, *ok(b""))
+            if kind == MAILBOX:
+                return self._take_mailbox(conn, REGION.unpack(payload)[0] if length == REGION.size else -1)
+        except DecodeError:
+            return self.fail(conn, status(code_pb2.INVALID_ARGUMENT, "DOWNLOAD request does not parse"))
+        except Exception as exc:
+            return self.fail(conn, failure_status(exc)[0])
+        method = bytes(payload[1 : 1 + payload[0]]).decode(errors="replace") if length else ""
+        if method not in METHODS:
+            unknown = status(code_pb2.UNIMPLEMENTED, f"method {method!r:.60} is not on the data channel")
+            return self.fail(conn, unknown)
+        try:
+            request = METHODS[method][0].FromString(payload[1 + payload[0] :])
+        except DecodeError:
+            return self.fail(conn, status(code_pb2.INVALID_ARGUMENT, f"{method} request does not parse"))
+        try:
+            reply = self.service.invoke(method, request, call, request_id)
+        except Exception as exc:
+            return self.fail(conn, failure_status(exc)[0])
+        return self.send(conn, *ok(reply.SerializeToString()))
+
+    def _take_mailbox(self, conn: Connection, size: int) -> None:
+        """Keeps the memfd the connection passed as its mailbox (in place of one it had). The server
+        only ever reads it (see Mailbox)."""
+        if not 0 < size <= MAILBOX_MAX_BYTES:
+            too_large = status(code_pb2.INVALID_ARGUMENT, f"a mailbox holds 1 to {MAILBOX_MAX_BYTES} bytes")
+            return self.fail(conn, too_large)
+        try:
+            fd = checked_memfd(RegionOffer(conn.fds, size, conn.fds_truncated))
+        except AclnnError as exc:
+            return self.fail(conn, failure_status(exc)[0])
+        conn.fds.remove(fd)  # the connection keeps it; drop_request closes what else came
+        if conn.mailbox is not None:
+            conn.mailbox.close()
+        conn.mailbox = Mailbox(fd, size)
+        return self.send(conn, *ok(b""))
+
+    def fail(self, conn: Connection, failed: status_pb2.Status) -> None:
+        self.send(conn, *failure_parts(failed))
+
+    def send(self, conn: Connection, header: bytes, payload: bytes | memoryview = b"") -> None:
+        send(conn, header, payload, self.limits.handshake_timeout_s)
