@@ -35,12 +35,15 @@ from aclnn_common.framing import (
     MAILBOX_FROM,
     MAILBOX_MAX_BYTES,
     METHODS,
+    READ_BUFFER,
     REGION,
     REGISTER_REGION,
     REPLY,
     REQUEST,
     UNREGISTER_REGION,
     UPLOAD,
+    WRITE_BUFFER,
+    WRITE_INLINE_BYTES,
     ConnectionLost,
 )
 from aclnn_common.wire import decode_status
@@ -187,13 +190,34 @@ class DataChannel:
 
     def download(self, handle: str, view: np.ndarray, timeout: float | None) -> None:
         """Receives a handle's bytes straight into `view` (through a bounce buffer when strided)."""
-        payload = pb.TensorHandle(handle=handle).SerializeToString()
+        self._receive(DOWNLOAD, pb.TensorHandle(handle=handle), view, timeout)
+
+    def read_buffer(self, request: pb.BufferRange, target: np.ndarray, timeout: float | None) -> None:
+        """Device -> host: the range's bytes straight into `target`."""
+        self._receive(READ_BUFFER, request, target, timeout)
+
+    def write_buffer(self, request: pb.BufferWrite, data: memoryview, timeout: float | None) -> None:
+        """Host -> device: small writes carry their bytes in the request, larger ones follow it raw."""
+        inline = data.nbytes <= WRITE_INLINE_BYTES
+        if inline:
+            request.data = bytes(data)
+        payload = request.SerializeToString()
+        with self._connection(timeout) as conn:
+            send(conn.sock, _header(WRITE_BUFFER, None, timeout, len(payload)), payload)
+            if not inline:
+                self._reply(conn.sock)  # the server takes the bytes
+                conn.sock.sendall(data)
+            self._reply(conn.sock)
+
+    def _receive(self, kind: int, request: object, view: np.ndarray, timeout: float | None) -> None:
+        """A request answered by raw bytes, received into `view`."""
+        payload = request.SerializeToString()
         with self._connection(timeout) as conn:
             sock = conn.sock
-            send(sock, _header(DOWNLOAD, None, timeout, len(payload)), payload)
+            send(sock, _header(kind, None, timeout, len(payload)), payload)
             size = self._reply_header(sock)
             if size != view.nbytes:
-                raise ConnectionLost(f"download of {size} bytes for a {view.nbytes}-byte output")
+                raise ConnectionLost(f"reply of {size} bytes for a {view.nbytes}-byte destination")
             if view.flags.c_contiguous:
                 recv_into(sock, memoryview(view.reshape(-1).view(np.uint8)))
                 return

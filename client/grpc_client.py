@@ -16,7 +16,8 @@ import grpc
 from aclnn_common._proto import aclnn_pb2 as pb
 from aclnn_common.api import BaseClient, Executor
 from aclnn_common.binding import BoundCall
-from aclnn_common.chunks import receive_into, to_chunks
+from aclnn_common.chunks import receive_into, to_chunks, write_chunks
+from aclnn_common.device import DeviceBuffer
 from aclnn_common.errors import AclnnError
 from aclnn_common.framing import METHODS as DATA_CHANNEL_METHODS
 from aclnn_common.tensor import Tensor, Value
@@ -128,6 +129,7 @@ class Client(BaseClient):
         self._operators: dict[str, tuple[frozenset[str], frozenset[str]]] | None = None
         self._operators_lock = threading.Lock()
         self._transfers = _Transfers(self)
+        self._device_home: int | None = None  # the backend holding this client's device memory
 
     def close(self) -> None:
         super().close()
@@ -246,7 +248,11 @@ class Client(BaseClient):
         return self._operators.get(op, (frozenset(), frozenset()))
 
     def _get_workspace_size(self, op: str, values: Mapping[str, Value]) -> tuple[int, str]:
-        plan, replica = self._call_any("GetWorkspaceSize", lambda replica: encode_call(op, values))
+        replica = self._pinned(values)
+        if replica is not None:  # on device memory: its backend plans it
+            plan = self._call_on(replica, "GetWorkspaceSize", encode_call(op, values))
+        else:
+            plan, replica = self._call_any("GetWorkspaceSize", lambda replica: encode_call(op, values))
         return plan.workspace_size, f"{replica}/{plan.executor}"
 
     def _execute(self, executor: Executor, stream: int | None) -> None:
@@ -296,7 +302,11 @@ class Client(BaseClient):
                 staging.place(replica, sizes, request.placements)
                 return request
 
-            reply, replica = self._call_any("Run", build, stream, stateless=lambda: staging.stateless)
+            replica = self._pinned(call.values)
+            if replica is not None:  # on device memory: its backend runs it
+                reply = self._call_on(replica, "Run", build(replica), stream)
+            else:
+                reply, replica = self._call_any("Run", build, stream, stateless=lambda: staging.stateless)
             call.write_outputs(staging.results(replica, reply.outputs))
 
     def _regions_kept(self, attempt: Callable[[], None]) -> None:
@@ -344,6 +354,76 @@ class Client(BaseClient):
             self._repeatable.discard(executor_id)
         if held:
             self._release_session(int(executor_id.partition("/")[0]))
+
+    # Device memory ------------------------------------------------------------------------------
+
+    def _pinned(self, values: Mapping[str, Value]) -> int | None:
+        """The backend a call on device memory must run on (all of a client's buffers live on one); else None."""
+        replica = None
+        for name, value in values.items():
+            if isinstance(value, Tensor) and isinstance(value.data, DeviceBuffer):
+                self._own(value.data, name)
+                replica = value.data.replica
+        return replica
+
+    def _malloc(self, nbytes: int) -> DeviceBuffer:
+        if self._device_home is None:
+            with self._held_lock:
+                if self._device_home is None:
+                    self._device_home = self._pool.next()
+        replica = self._device_home
+        reply = self._call_on(replica, "MallocBuffer", pb.MallocRequest(size=nbytes))
+        self._hold_session(replica)  # buffers live in this client's session: it is kept alive while any is
+        return DeviceBuffer(reply.buffer, reply.size, self, replica)
+
+    def _free_buffer(self, buf: DeviceBuffer) -> None:
+        self._call_on(buf.replica, "FreeBuffer", pb.BufferRef(buffer=buf.id))
+        self._release_session(buf.replica)
+
+    def _write(self, dst: DeviceBuffer, data: memoryview) -> None:
+        request = pb.BufferWrite(buffer=dst.id, offset=dst.offset, size=data.nbytes)
+        channel = self._data_channel(dst.replica)
+        if channel is not None:
+            try:
+                return channel.write_buffer(request, data, self._timeout)
+            except NoConnection as exc:
+                self._no_connection(dst.replica, exc)
+        try:
+            stub = self._pool.stub(dst.replica)
+            stub.WriteBuffer(write_chunks(request, data), metadata=self._metadata(), timeout=self._timeout)
+        except grpc.RpcError as error:
+            raise decode_error(error) from None
+        return None
+
+    def _read(self, src: DeviceBuffer, target: Any) -> None:
+        request = pb.BufferRange(buffer=src.id, offset=src.offset, size=target.nbytes)
+        channel = self._data_channel(src.replica)
+        if channel is not None:
+            try:
+                return channel.read_buffer(request, target, self._timeout)
+            except NoConnection as exc:
+                self._no_connection(src.replica, exc)
+        try:
+            chunks = self._pool.stub(src.replica).ReadBuffer(request, metadata=self._metadata(), timeout=self._timeout)
+            receive_into(target, chunks)
+        except grpc.RpcError as error:
+            raise decode_error(error) from None
+        return None
+
+    def _copy(self, dst: DeviceBuffer, src: DeviceBuffer, nbytes: int) -> None:
+        request = pb.BufferCopy(size=nbytes)
+        request.dst.buffer, request.dst.offset = dst.id, dst.offset
+        request.src.buffer, request.src.offset = src.id, src.offset
+        self._call_on(dst.replica, "CopyBuffer", request)
+
+    def _fill(self, dst: DeviceBuffer, value: int, nbytes: int) -> None:
+        request = pb.BufferFill(size=nbytes, value=value)
+        request.dst.buffer, request.dst.offset = dst.id, dst.offset
+        self._call_on(dst.replica, "FillBuffer", request)
+
+    def _synchronize(self, stream: int | None) -> None:
+        if self._device_home is not None:  # calls are queued only on device memory, which lives there
+            self._call_on(self._device_home, "Synchronize", pb.Empty(), stream)
 
     # Bytes outside messages -------------------------------------------------------------------
 

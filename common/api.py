@@ -8,7 +8,10 @@ import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import numpy as np
+
 from .binding import BoundCall, bind
+from .device import DeviceBuffer, host_bytes, host_target
 from .errors import invalid_error
 from .tensor import Value
 
@@ -99,6 +102,63 @@ class BaseClient(abc.ABC):
     def destroy_executor(self, executor: Executor) -> None:
         self._destroy_executor(self._executor_id(executor))
 
+    # Device memory ----------------------------------------------------------------------------
+
+    def malloc(self, nbytes: int) -> DeviceBuffer:
+        """`nbytes` of device memory on the server (zero-filled), of this client's session."""
+        return self._malloc(int(nbytes))
+
+    def free(self, buf: DeviceBuffer) -> None:
+        """Frees an allocation; calls queued on it finish first (its memory lives until they do)."""
+        self._own(buf, "buf")
+        if buf.offset:
+            raise invalid_error("buf", f"points {buf.offset} bytes into its allocation: free its start")
+        self._free_buffer(buf)
+
+    def memcpy(self, dst: Any, src: Any, nbytes: int | None = None) -> None:
+        """Copies bytes host -> device, device -> host (into the array, in place) or device -> device.
+
+        Each side is a DeviceBuffer or a host array (NumPy, CPU torch tensor; a source may be bytes),
+        C-contiguous. `nbytes` defaults to the host side's size (device -> device: required). A
+        transfer waits for the calls queued on its buffers, as CANN's synchronous aclrtMemcpy does
+        on the device.
+        """
+        if isinstance(dst, DeviceBuffer) and isinstance(src, DeviceBuffer):
+            self._own(dst, "dst")
+            self._own(src, "src")
+            if nbytes is None:
+                raise invalid_error("nbytes", "a device -> device copy needs nbytes")
+            self._copy(dst, src, _count(nbytes, dst.nbytes, "nbytes"))
+        elif isinstance(dst, DeviceBuffer):
+            self._own(dst, "dst")
+            data = host_bytes(src, "src")
+            self._write(dst, data[: _count(nbytes, data.nbytes, "src")])
+        elif isinstance(src, DeviceBuffer):
+            self._own(src, "src")
+            target = host_target(dst, "dst")
+            self._read(src, target[: _count(nbytes, target.nbytes, "dst")])
+        else:
+            raise invalid_error("dst", "memcpy needs a DeviceBuffer on one side at least")
+
+    def memset(self, buf: DeviceBuffer, value: int, nbytes: int) -> None:
+        """Sets `nbytes` bytes from `buf` to `value` (0-255)."""
+        self._own(buf, "buf")
+        self._fill(buf, int(value), int(nbytes))
+
+    def synchronize(self, stream: int | None = None) -> None:
+        """Waits for the calls on `stream` (every stream when None), raising the first failure of a
+        call queued there, once (as aclrtSynchronizeStream)."""
+        with self._async.lock:
+            tails = [f for s, f in self._async.tails.items() if stream is None or s == stream]
+        concurrent.futures.wait(tails)  # run_async calls of this client reach the server first
+        self._synchronize(stream)
+
+    def _own(self, buf: Any, name: str) -> None:
+        if not isinstance(buf, DeviceBuffer):
+            raise invalid_error(name, f"expected a DeviceBuffer from malloc, got {type(buf).__name__}")
+        if buf.client is not self:
+            raise invalid_error(name, "is device memory of another client")
+
     def close(self) -> None:
         """Waits for background calls, then releases the transport."""
         if self._async.executor is not None:
@@ -139,7 +199,39 @@ class BaseClient(abc.ABC):
     def _set_executor_repeatable(self, executor_id: str) -> None: ...
 
     @abc.abstractmethod
+    def _malloc(self, nbytes: int) -> DeviceBuffer: ...
+
+    @abc.abstractmethod
+    def _free_buffer(self, buf: DeviceBuffer) -> None: ...
+
+    @abc.abstractmethod
+    def _write(self, dst: DeviceBuffer, data: memoryview) -> None:
+        """Host -> device: all of `data` at `dst`."""
+
+    @abc.abstractmethod
+    def _read(self, src: DeviceBuffer, target: np.ndarray) -> None:
+        """Device -> host: `target.nbytes` bytes from `src` into `target` (uint8)."""
+
+    @abc.abstractmethod
+    def _copy(self, dst: DeviceBuffer, src: DeviceBuffer, nbytes: int) -> None: ...
+
+    @abc.abstractmethod
+    def _fill(self, dst: DeviceBuffer, value: int, nbytes: int) -> None: ...
+
+    @abc.abstractmethod
+    def _synchronize(self, stream: int | None) -> None: ...
+
+    @abc.abstractmethod
     def _destroy_executor(self, executor_id: str) -> None: ...
+
+
+def _count(nbytes: int | None, available: int, name: str) -> int:
+    """A transfer's byte count: `available` by default; more than that is 161002 naming the side short of it."""
+    if nbytes is None:
+        return available
+    if not 0 <= int(nbytes) <= available:
+        raise invalid_error(name, f"holds {available} bytes, fewer than the {nbytes} to copy")
+    return int(nbytes)
 
 
 def _after(previous: concurrent.futures.Future | None, work: Callable[[], None]) -> None:

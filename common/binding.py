@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from .device import DeviceBuffer
 from .errors import AclnnError, Status, invalid_error
 from .tensor import BoolArray, IntArray, Tensor, Value, tensor_from_array
 from .types import numpy_dtype, torch_array
@@ -26,8 +27,8 @@ def to_value(name: str, arg: Any, storage: bool = True) -> Value:
     array or a Tensor becomes its descriptor alone."""
     if arg is None or isinstance(arg, str):
         return arg
-    if isinstance(arg, Tensor):
-        return arg if storage or arg.data is None else arg.without_data()
+    if isinstance(arg, Tensor):  # device storage is a pointer, not bytes: it always travels
+        return arg if storage or arg.data is None or isinstance(arg.data, DeviceBuffer) else arg.without_data()
     if isinstance(arg, np.ndarray):
         try:
             return tensor_from_array(arg, storage)
@@ -53,20 +54,27 @@ class BoundCall:
 
     op: str
     values: dict[str, Value]  # every parameter; tensors carry their storage
-    output_targets: dict[str, Any]  # output name -> the caller's ndarray or Tensor
+    output_targets: dict[str, Any]  # output name -> the caller's ndarray or Tensor (host memory only)
     inout: frozenset[str] = frozenset()  # outputs that are also inputs (updated in place): their bytes ship
 
     def descriptors(self) -> dict[str, Value]:
-        """The values without any storage: what validation needs."""
-        return {n: v.without_data() if isinstance(v, Tensor) else v for n, v in self.values.items()}
+        """The values without host storage: what validation needs (device storage stays: the plan
+        binds it, as CANN's executor binds device addresses)."""
+        return {
+            n: v.without_data() if isinstance(v, Tensor) and not _on_device(v) else v for n, v in self.values.items()
+        }
 
     def inputs(self) -> dict[str, Tensor]:
-        """Input tensors with their storage, read from the caller's arrays now."""
+        """Input tensors with host storage, read from the caller's arrays now."""
         return {
             n: v
             for n, v in self.values.items()
-            if isinstance(v, Tensor) and (n not in self.output_targets or n in self.inout)
+            if isinstance(v, Tensor) and not _on_device(v) and (n not in self.output_targets or n in self.inout)
         }
+
+    def device_buffers(self) -> list[DeviceBuffer]:
+        """The device pointers the call's tensors name."""
+        return [v.data for v in self.values.values() if isinstance(v, Tensor) and _on_device(v)]
 
     def write_outputs(self, results: Mapping[str, Any]) -> None:
         """Writes each result into its output's view; checks every target before writing any.
@@ -117,8 +125,15 @@ def bind(
     outputs = output_names - inout_names
     values = {name: to_value(name, arg, name not in outputs) for name, arg in params.items()}
     written = output_names | inout_names
-    targets = {n: params[n] for n in written if isinstance(params.get(n), (np.ndarray, Tensor))}
+    targets = {
+        n: params[n] for n in written if isinstance(params.get(n), np.ndarray | Tensor) and not _on_device(values[n])
+    }
     return BoundCall(op, values, targets, inout_names & targets.keys())
+
+
+def _on_device(value: Value) -> bool:
+    """Whether a value is a tensor whose storage lives in device memory on the server."""
+    return isinstance(value, Tensor) and isinstance(value.data, DeviceBuffer)
 
 
 def _host_array(name: str, arg: Any) -> Any:

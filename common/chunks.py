@@ -30,6 +30,14 @@ def to_chunks(data: memoryview, chunk_bytes: int | None = None) -> Iterator[pb.T
         yield pb.TensorChunk(total_size=total, offset=offset, data=bytes(data[offset : offset + chunk_bytes]))
 
 
+def write_chunks(first: pb.BufferWrite, data: memoryview) -> Iterator[pb.BufferWrite]:
+    """A WriteBuffer stream: `first` (naming the buffer, offset and size) with the first chunk, then the rest."""
+    for offset in range(0, max(data.nbytes, 1), CHUNK_BYTES):
+        message = first if offset == 0 else pb.BufferWrite()
+        message.data = bytes(data[offset : offset + CHUNK_BYTES])
+        yield message
+
+
 def receive_into(view: np.ndarray, chunks: Iterable[pb.TensorChunk]) -> None:
     """Writes a downloaded result, chunk by chunk, straight into the caller's output view."""
     itemsize = view.dtype.itemsize

@@ -19,6 +19,10 @@ else while it waits (the server takes a closed connection for a cancelled call):
     MAILBOX   (Unix socket) payload = size:u64, with one memfd passed as SCM_RIGHTS, sealed like a
               region, at most MAILBOX_MAX_BYTES: the connection's mailbox from now on (it replaces
               a smaller one); reply: empty
+    WRITE_BUFFER  payload = BufferWrite message with all its bytes in `data` (up to
+              WRITE_INLINE_BYTES), or none: then a reply (empty) when the write is accepted, then the
+              client sends `size` raw bytes; reply: empty
+    READ_BUFFER   payload = BufferRange message; reply: the raw bytes
 
 A CALL whose payload is larger than one Unix-socket buffer holds (MAILBOX_FROM) travels in the
 connection's mailbox instead: kind = CALL | IN_MAILBOX, the payload at the mailbox's start and
@@ -39,6 +43,7 @@ from ._proto import aclnn_pb2 as pb
 MAGIC = b"ACLNNDC1"
 TICKET_BYTES = 16
 CALL, UPLOAD, DOWNLOAD, REGISTER_REGION, UNREGISTER_REGION, MAILBOX = 1, 2, 3, 4, 5, 6
+WRITE_BUFFER, READ_BUFFER = 7, 8
 IN_MAILBOX = 0x80  # on a CALL's kind: the payload is in the connection's mailbox
 # A Unix-socket buffer holds ~36.5 KiB (one page-sized head and 32 KiB of pages): payloads above
 # this travel in the connection's mailbox, of at most MAILBOX_MAX_BYTES.
@@ -56,7 +61,15 @@ METHODS: dict[str, tuple[type, type]] = {
     "DestroyExecutor": (pb.ExecutorRef, pb.Empty),
     "FreeTensor": (pb.TensorHandle, pb.Empty),
     "KeepAlive": (pb.Empty, pb.Empty),
+    "MallocBuffer": (pb.MallocRequest, pb.BufferInfo),
+    "FreeBuffer": (pb.BufferRef, pb.Empty),
+    "CopyBuffer": (pb.BufferCopy, pb.Empty),
+    "FillBuffer": (pb.BufferFill, pb.Empty),
+    "Synchronize": (pb.Empty, pb.Empty),
 }
+# A WRITE_BUFFER of up to this many bytes carries them in its message (one exchange); larger ones
+# follow as raw bytes once the server accepted the write.
+WRITE_INLINE_BYTES = 16 << 10
 
 
 class ConnectionLost(Exception):

@@ -12,6 +12,7 @@ from grpc_status import rpc_status
 
 from ._proto import aclnn_pb2 as pb
 from .chunks import byte_view
+from .device import DeviceBuffer
 from .errors import AclnnError, Status
 from .tensor import BoolArray, IntArray, Tensor, Value
 from .types import numpy_dtype
@@ -28,7 +29,9 @@ def encode_tensor(tensor: Tensor, storage: bool = True) -> pb.Tensor:
         offset=tensor.offset,
         storage_dims=tensor.storage_dims,
     )
-    if storage and tensor.data is not None:
+    if isinstance(tensor.data, DeviceBuffer):  # a pointer into server memory: it always travels
+        message.ref.device.buffer, message.ref.device.offset = tensor.data.id, tensor.data.offset
+    elif storage and tensor.data is not None:
         message.data = byte_view(tensor.data).tobytes()
     return message
 
@@ -62,7 +65,7 @@ def _value_message(value: Value, storage: bool) -> pb.Value:
     """encode_value, from a cache for a tensor without bytes: a training loop sends the same
     descriptors call after call, and building one costs ~6 µs. The cached message is only ever
     copied (into the call's map), never handed out."""
-    if not isinstance(value, Tensor) or (storage and value.data is not None):
+    if not isinstance(value, Tensor) or (value.data is not None and (storage or isinstance(value.data, DeviceBuffer))):
         return encode_value(value, storage)
     key = (value.view_dims, value.data_type, value.strides, value.offset, value.format, value.storage_dims)
     try:

@@ -53,8 +53,9 @@ class TensorDesc:
     def storage_nbytes(self) -> int:
         return self.storage_size * self.dtype.itemsize
 
-    def view(self, data: Any) -> np.ndarray:
-        """A read-only NumPy view of this descriptor over received storage bytes."""
+    def view(self, data: Any, writeable: bool = False) -> np.ndarray:
+        """A NumPy view of this descriptor over storage bytes: read-only over received bytes;
+        `writeable` over a device buffer's host memory that a call's results go into."""
         try:
             if isinstance(data, np.ndarray):  # in process: the caller's memory, not a copy
                 buffer = data.reshape(-1).view(np.uint8) if data.flags.c_contiguous else None
@@ -76,7 +77,7 @@ class TensorDesc:
         # Size-1 dims address nothing, so their (unbounded) strides are dropped.
         strides = tuple(s * itemsize if d > 1 else 0 for d, s in zip(self.shape, self.strides))
         view = np.ndarray(self.shape, self.dtype, buffer=buffer, offset=self.offset * itemsize, strides=strides)
-        view.flags.writeable = False
+        view.flags.writeable = writeable
         return view
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import functools
 import logging
 import os
 import pathlib
@@ -21,11 +22,14 @@ from aclnn_common.tensor import BoolArray, IntArray, Tensor, Value
 
 from .admission import Admission
 from .backends import Backend, create_backend
+from .buffers import Buffer, BufferStore, DeviceMemory, HostMemory, ResidentStorage
+from .descriptors import TensorDesc
 from .executors import ExecutorStore
 from .ledger import SMALL_HOLD_BYTES, SMALL_WORKSPACE_BYTES, Hold, MemoryLedger
 from .ops import OPERATORS
 from .params import CallParams, Kind
 from .registry import Operator, Plan
+from .streams import StreamQueues
 
 log = logging.getLogger("aclnn_server")
 
@@ -133,6 +137,8 @@ class Engine:
         self.max_result_bytes = max_result_bytes
         self.admission = Admission(max_concurrency, max_queue, self.ledger)
         self._plans = PlanCache()
+        self.buffers = BufferStore(self.ledger, self._device_memory)
+        self.streams = StreamQueues()
 
     def _load(self, name: str, device: int, torch_device: str) -> None:
         try:
@@ -155,14 +161,28 @@ class Engine:
     def operators(self) -> Mapping[str, Operator]:
         return OPERATORS
 
+    def _device_memory(self) -> DeviceMemory:
+        """The backend's memory for device buffers (host memory unless it offers its own)."""
+        device_memory = getattr(self.backend, "device_memory", None)
+        return device_memory() if device_memory is not None else HostMemory()
+
+    def end_session(self, session: str) -> None:
+        """A client session ended (closed, or its lease lapsed): its executors, queued calls and buffers go."""
+        self.executors.end_session(session)
+        self.streams.end_session(session)
+        self.buffers.end_session(session)
+
     def get_workspace_size(
         self, op: str, values: Mapping[str, Value], call: CallContext | None = None
     ) -> tuple[int, str]:
         call = call or CallContext()
         operator, plan, workspace_size = self._plan(op, values, call)
-        data = {name: values[name].data for name in plan.inputs if values[name].data is not None}
+        data: dict[str, Any] = {name: values[name].data for name in plan.inputs if values[name].data is not None}
+        data.update(self._resident(plan, values))  # device storage of inputs and outputs, as CANN's executor keeps
         # Bytes shipped with the plan live as long as the executor: they are its owner's to hold.
-        nbytes = sum(memoryview(d).nbytes for d in data.values() if not isinstance(d, memoryview | np.ndarray))
+        nbytes = sum(
+            memoryview(d).nbytes for d in data.values() if not isinstance(d, memoryview | np.ndarray | ResidentStorage)
+        )
         hold = self.ledger.reserve(call.owner, nbytes, "executor", next(iter(data), "op"))
         try:
             return workspace_size, self.executors.add(
@@ -187,11 +207,22 @@ class Engine:
         call = call or CallContext()
         entry = self.executors.get(executor_id, call.owner)
         call.op = entry.operator.name
-        with self._admitted(entry.plan, entry.workspace_size, call):
-            entry, args = self.executors.begin_execute(
-                executor_id, lambda e: self._bind_inputs(e.operator, e.plan, e.data, inputs), call.owner
-            )
-            return self._compute(entry.operator, entry.plan, args, call, destinations)
+        resident = _resident_of(entry.plan, entry.data, inputs)
+        if not resident and not self._ordered(call):
+            with self._admitted(entry.plan, entry.workspace_size, call):
+                entry, args = self.executors.begin_execute(
+                    executor_id, lambda e: self._bind_inputs(e.operator, e.plan, e.data, inputs), call.owner
+                )
+                return self._compute(entry.operator, entry.plan, args, call, destinations)
+
+        def bind(e: Any) -> dict[str, Any]:
+            for name, storage in resident.items():
+                if storage.buffer.freed:
+                    raise invalid_error(name, "its device buffer was freed")
+            return self._bind_inputs(e.operator, e.plan, e.data, inputs)
+
+        entry, args = self.executors.begin_execute(executor_id, bind, call.owner)
+        return self._dispatch(entry.operator, entry.plan, entry.workspace_size, args, resident, call, destinations)
 
     def run(
         self,
@@ -202,9 +233,12 @@ class Engine:
     ) -> tuple[int, dict[str, np.ndarray]]:
         call = call or CallContext()
         operator, plan, workspace_size = self._plan(op, values, call)
+        resident = self._resident(plan, values)
         args = self._bind_inputs(operator, plan, {name: values[name].data for name in plan.inputs}, {})
-        with self._admitted(plan, workspace_size, call):
-            return workspace_size, self._compute(operator, plan, args, call, destinations)
+        if not resident and not self._ordered(call):
+            with self._admitted(plan, workspace_size, call):
+                return workspace_size, self._compute(operator, plan, args, call, destinations)
+        return workspace_size, self._dispatch(operator, plan, workspace_size, args, resident, call, destinations)
 
     def set_executor_repeatable(self, executor_id: str, call: CallContext | None = None) -> None:
         self.executors.set_repeatable(executor_id, (call or CallContext()).owner)
@@ -212,14 +246,191 @@ class Engine:
     def destroy_executor(self, executor_id: str, call: CallContext | None = None) -> None:
         self.executors.destroy(executor_id, (call or CallContext()).owner)
 
+    # Device memory ----------------------------------------------------------------------------
+
+    def malloc(self, nbytes: int, call: CallContext) -> Buffer:
+        return self.buffers.malloc(call.owner, call.session, nbytes)
+
+    def free(self, buffer_id: str, call: CallContext) -> None:
+        self.buffers.free(call.owner, call.session, buffer_id)
+
+    def write_buffer(
+        self, target: ResidentStorage, size: int, fill: Callable[[np.ndarray], None], call: CallContext
+    ) -> None:
+        """Host -> device: `fill` writes `size` bytes into the array it is given (the buffer's own
+        memory when the host can address it, else a staging array copied over after)."""
+        self.buffers.check_range(target, size, "size")
+        with self._transfer([target], call):
+            memory, block = self.buffers.memory, target.buffer.block
+            host = memory.host_array(block)
+            if host is not None:
+                fill(host[target.offset : target.offset + size])
+            else:
+                staged = np.empty(size, np.uint8)
+                fill(staged)
+                memory.write(block, target.offset, staged)
+
+    def read_buffer(
+        self, source: ResidentStorage, size: int, call: CallContext, out: np.ndarray | None = None
+    ) -> np.ndarray:
+        """Device -> host: `size` bytes into `out` (uint8), or a view of the buffer's host memory
+        (else a copy) when `out` is None."""
+        self.buffers.check_range(source, size, "size")
+        with self._transfer([source], call):
+            memory, block = self.buffers.memory, source.buffer.block
+            host = memory.host_array(block)
+            if out is None and host is not None:
+                return host[source.offset : source.offset + size]
+            if out is None:  # a host copy, held until the transport has sent it
+                hold = self.ledger.reserve(call.owner, size, "call", "size")
+                if call.holds is None:
+                    hold.release()
+                else:
+                    call.holds.append(hold)
+                out = np.empty(size, np.uint8)
+            memory.read(block, source.offset, out)
+            return out
+
+    def copy_buffer(self, dst: ResidentStorage, src: ResidentStorage, size: int, call: CallContext) -> None:
+        self.buffers.check_range(dst, size, "dst")
+        self.buffers.check_range(src, size, "src")
+        with self._transfer([dst, src], call):
+            self.buffers.memory.copy(dst.buffer.block, dst.offset, src.buffer.block, src.offset, size)
+
+    def fill_buffer(self, dst: ResidentStorage, size: int, value: int, call: CallContext) -> None:
+        if not 0 <= value <= 255:
+            raise invalid_error("value", f"memset sets bytes: 0 to 255, not {value}")
+        self.buffers.check_range(dst, size, "size")
+        with self._transfer([dst], call):
+            self.buffers.memory.fill(dst.buffer.block, dst.offset, size, value)
+
+    def synchronize(self, call: CallContext) -> None:
+        """Waits for the calls queued on `call.stream` (every stream of the session when None); raises
+        the first failure among them, once."""
+        self.streams.synchronize(call.owner, call.session, call.stream, call.deadline)
+        synchronize = getattr(self.backend, "synchronize", None)  # a backend that launches without waiting
+        if synchronize is not None:
+            synchronize(call.stream)
+
     @contextlib.contextmanager
-    def _admitted(self, plan: Plan, workspace_size: int, call: CallContext) -> Iterator[None]:
+    def _transfer(self, storages: list[ResidentStorage], call: CallContext) -> Iterator[None]:
+        """A transfer keeps its buffers alive and, as on a device's default stream, first waits for the
+        calls queued on them."""
+        buffers = self.buffers.use([("buffer", s) for s in storages])
+        try:
+            self.buffers.wait_unqueued(buffers, call.deadline)
+            yield
+        finally:
+            self.buffers.done(buffers)
+
+    def _resident(self, plan: Plan, values: Mapping[str, Value]) -> dict[str, ResidentStorage]:
+        """The tensors whose storage is a device buffer, each checked to lie inside it."""
+        resident = {}
+        for name, desc in (*plan.inputs.items(), *plan.outputs.items()):
+            value = values.get(name)
+            data = value.data if isinstance(value, Tensor) else None
+            if isinstance(data, ResidentStorage):
+                data.check_fits(desc)
+                resident[name] = data
+        return resident
+
+    def _ordered(self, call: CallContext) -> bool:
+        """Whether the call must wait its turn behind calls queued on its stream."""
+        return call.stream is not None and self.streams.active((call.owner, call.session, call.stream))
+
+    def _dispatch(
+        self,
+        operator: Operator,
+        plan: Plan,
+        workspace_size: int,
+        args: dict[str, Any],
+        resident: dict[str, ResidentStorage],
+        call: CallContext,
+        destinations: Mapping[str, np.ndarray] | None,
+    ) -> dict[str, np.ndarray]:
+        """Runs a call on device memory, or one behind its stream's queue.
+
+        With a stream, a call whose tensors all live in device buffers is queued (its failure stays
+        on the stream) and returns no outputs; any other waits its turn and returns its host outputs.
+        Without a stream, it waits for the calls queued on its buffers, as on a default stream.
+        """
+        tensors = plan.inputs.keys() | plan.outputs.keys()
+        queued = call.stream is not None and bool(plan.outputs) and resident.keys() == tensors
+        buffers = self.buffers.use(resident.items(), queued=queued)
+        if queued:  # the caller goes on; its deadline and liveness no longer apply
+            call = CallContext(call.owner, call.session, call.stream, op=call.op)
+        work = functools.partial(self._run_resident, operator, plan, workspace_size, args, resident, call, destinations)
+        if call.stream is None:
+            try:
+                self.buffers.wait_unqueued(buffers, call.deadline)
+                return work()
+            finally:
+                self.buffers.done(buffers)
+        key = (call.owner, call.session, call.stream)
+        done = functools.partial(self.buffers.done, buffers, queued)
+        return self.streams.call(key, work, done, wait=not queued, deadline=call.deadline) or {}
+
+    def _run_resident(
+        self,
+        operator: Operator,
+        plan: Plan,
+        workspace_size: int,
+        args: dict[str, Any],
+        resident: dict[str, ResidentStorage],
+        call: CallContext,
+        destinations: Mapping[str, np.ndarray] | None,
+    ) -> dict[str, np.ndarray]:
+        """Computes on device buffers: in place over host memory, natively on a backend that computes on
+        its own device memory, else through host copies. Returns the outputs that are not resident."""
+        native = getattr(self.backend, "compute_resident", None)
+        every = resident.keys() == plan.inputs.keys() | plan.outputs.keys()
+        if native is not None and every and getattr(self.backend, "supports", lambda op: True)(operator.name):
+            with self._admitted(plan, workspace_size, call, frozenset(plan.outputs)):
+                started = time.perf_counter()
+                try:
+                    native(operator, plan, {n: (s.buffer.block, s.offset) for n, s in resident.items()}, call.stream)
+                finally:
+                    call.compute_s += time.perf_counter() - started
+            return {}
+        memory = self.buffers.memory
+        views = {
+            name: _ResidentView(memory, storage, desc)
+            for name, storage in resident.items()
+            for desc in [plan.outputs.get(name) or plan.inputs[name]]
+        }
+        for name in plan.inputs.keys() & resident.keys():
+            args[name] = views[name].array(writeable=name in plan.outputs)
+        given = dict(destinations or {})
+        in_place = set()
+        inputs = [args[n] for n in plan.inputs if n not in plan.outputs and args.get(n) is not None]
+        for name in plan.outputs.keys() & resident.keys():
+            target = views[name].array(writeable=True)
+            others = [views[n].array(writeable=True) for n in plan.outputs.keys() & resident.keys() if n != name]
+            if (
+                views[name].direct
+                and target.flags.c_contiguous
+                and not any(np.may_share_memory(target, other) for other in inputs + others)
+            ):
+                given[name] = target
+                in_place.add(name)
+        with self._admitted(plan, workspace_size, call, frozenset(in_place)):
+            outputs = self._compute(operator, plan, args, call, given)
+        for name in plan.outputs.keys() & resident.keys():
+            if name not in in_place:
+                views[name].store(outputs[name])
+        return {name: array for name, array in outputs.items() if name not in resident}
+
+    @contextlib.contextmanager
+    def _admitted(
+        self, plan: Plan, workspace_size: int, call: CallContext, resident: frozenset[str] = frozenset()
+    ) -> Iterator[None]:
         """An execution slot with memory for the call's outputs and workspace (see Admission).
 
-        Inputs are held already (in their message, upload or executor). The outputs stay held
-        after compute, in `call.holds`, when the transport sends them later.
+        Inputs are held already (in their message, upload, executor or device buffer), and so are
+        the `resident` outputs, computed in their device buffers. The outputs stay held after
+        compute, in `call.holds`, when the transport sends them later.
         """
-        inline = [t for name, t in plan.outputs.items() if name not in call.placed]
+        inline = [t for name, t in plan.outputs.items() if name not in call.placed and name not in resident]
         inline_bytes = sum(t.numel * t.dtype.itemsize for t in inline)
         if self.max_result_bytes is not None and inline_bytes > self.max_result_bytes:
             raise invalid_error(
@@ -227,7 +438,7 @@ class Engine:
                 f"results of {inline_bytes} bytes exceed the max message size of {self.max_result_bytes}: "
                 "keep them on the server (placements) or raise --max-message-bytes",
             )
-        output_bytes = sum(t.numel * t.dtype.itemsize for t in plan.outputs.values())
+        output_bytes = sum(t.numel * t.dtype.itemsize for name, t in plan.outputs.items() if name not in resident)
         # Small ones are not held (see SMALL_HOLD_BYTES); a kept result always is.
         if output_bytes <= SMALL_HOLD_BYTES and not call.placed:
             output_bytes = 0
@@ -300,7 +511,7 @@ class Engine:
             data = sent.get(name, planned.get(name))
             if data is None:
                 raise invalid_error(name, "input bytes were never sent (ship them with the plan or with execute)")
-            args[name] = desc.view(data)
+            args[name] = data if isinstance(data, ResidentStorage) else desc.view(data)  # bound when it runs
         for spec in operator.signature.params:
             if spec.kind is not Kind.TENSOR:
                 args[spec.name] = plan.values.get(spec.name)
@@ -317,17 +528,17 @@ class Engine:
         call: CallContext,
         destinations: Mapping[str, np.ndarray] | None = None,
     ) -> dict[str, np.ndarray]:
-        """Computes into fresh arrays, so that a call that fails has written nothing; or, in process,
-        into `destinations` when they are exactly every output's shape and dtype. Every failure a
-        caller can cause comes before this point; only a backend's own fault could stop it midway.
+        """Computes into fresh arrays, so that a call that fails has written nothing; or into
+        `destinations` (in process, or device buffers) where one has exactly its output's shape and
+        dtype. Every failure a caller can cause comes before this point; only a backend's own fault
+        could stop it midway.
         """
         given = destinations or {}
-        in_place = all(
-            name in given and given[name].shape == desc.shape and given[name].dtype == desc.dtype
-            for name, desc in plan.outputs.items()
-        )
         outputs = {
-            name: given[name] if in_place else np.empty(desc.shape, desc.dtype) for name, desc in plan.outputs.items()
+            name: given[name]
+            if name in given and given[name].shape == desc.shape and given[name].dtype == desc.dtype
+            else np.empty(desc.shape, desc.dtype)
+            for name, desc in plan.outputs.items()
         }
         for name in plan.outputs.keys() & plan.inputs.keys():  # in/out: updated in place, from the input's values
             outputs[name][...] = args[name]
@@ -399,3 +610,40 @@ class PlanCache:
             self._plans[key] = validated[0], dataclasses.replace(validated[1])
             if len(self._plans) > self.capacity:
                 self._plans.popitem(last=False)
+
+
+def _resident_of(plan: Plan, planned: Mapping[str, Any], sent: Mapping[str, Any]) -> dict[str, ResidentStorage]:
+    """An executor's tensors in device buffers (checked when it was planned), less inputs sent as bytes now."""
+    return {
+        name: data
+        for name, data in planned.items()
+        if isinstance(data, ResidentStorage) and not (name in sent and name not in plan.outputs)
+    }
+
+
+class _ResidentView:
+    """A tensor's elements in a device buffer, as a NumPy array: over the buffer's host memory, or
+    over a host copy of its storage (written back by `store`) when the memory is on a device."""
+
+    def __init__(self, memory: DeviceMemory, storage: ResidentStorage, desc: TensorDesc) -> None:
+        self.memory, self.storage, self.desc = memory, storage, desc
+        host = memory.host_array(storage.buffer.block)
+        self.direct = host is not None
+        nbytes = desc.storage_nbytes
+        if host is not None:
+            self.bytes = host[storage.offset : storage.offset + nbytes]
+        else:
+            self.bytes = np.empty(nbytes, np.uint8)
+            memory.read(storage.buffer.block, storage.offset, self.bytes)
+        self._arrays: dict[bool, np.ndarray] = {}
+
+    def array(self, writeable: bool) -> np.ndarray:
+        if writeable not in self._arrays:
+            self._arrays[writeable] = self.desc.view(self.bytes, writeable=writeable)
+        return self._arrays[writeable]
+
+    def store(self, result: np.ndarray) -> None:
+        """Writes a result into the view's elements (and a host copy back to the device)."""
+        self.array(writeable=True)[...] = result
+        if not self.direct:
+            self.memory.write(self.storage.buffer.block, self.storage.offset, self.bytes)

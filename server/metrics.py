@@ -66,12 +66,17 @@ class Metrics:
         Gauge("aclnn_memory_held_bytes", "Bytes held for callers now", registry=self.registry).set_function(held)
         by_kind = Gauge(
             "aclnn_memory_held_by_kind_bytes",
-            "Bytes held for callers now, by kind (message, request, call, upload, result, executor, region)",
+            "Bytes held for callers now, by kind (message, request, call, upload, result, executor, region, buffer)",
             ["kind"],
             registry=self.registry,
         )
-        for kind in ("message", "request", "call", "upload", "result", "executor", "region"):
+        for kind in ("message", "request", "call", "upload", "result", "executor", "region", "buffer"):
             by_kind.labels(kind).set_function(lambda kind=kind: held_by_kind().get(kind, 0))
+
+    def track_buffers(self, live_buffers: Callable[[], int]) -> None:
+        """Device buffers alive (their bytes are the ledger's kind `buffer`)."""
+        live = Gauge("aclnn_device_buffers", "Device buffers alive on this server", registry=self.registry)
+        live.set_function(live_buffers)
 
     def serve(self, host: str, port: int) -> int:
         """Serves /metrics over HTTP; returns the bound port."""

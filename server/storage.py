@@ -48,11 +48,13 @@ class Storage:
         self._clock = clock
         self._sessions: dict[str, Session] = {}
         self._lock = threading.Lock()
+        self._ended: list[str] = []  # lapsed sessions whose executors and buffers `reap` has yet to end
 
     def reap(self) -> None:
         """Frees the handles and unmaps the regions of sessions whose lease lapsed; ends their executors."""
         with self._lock:
-            ended = self._reap()
+            self._reap()
+            ended, self._ended = self._ended, []
         for session_id in ended:
             self._on_session_end(session_id)
 
@@ -84,12 +86,12 @@ class Storage:
             with self._lock:
                 self._session(session_id, owner)
 
-    def _reap(self) -> list[str]:
+    def _reap(self) -> None:
         now = self._clock()
         ended = [i for i, s in self._sessions.items() if s.expires < now]
         for session_id in ended:
             self._close(self._sessions.pop(session_id))
-        return ended
+        self._ended += ended  # whichever call noticed, the next `reap` ends the rest of them
 
     def _close(self, session: Session) -> None:
         for _, hold in session.handles.values():

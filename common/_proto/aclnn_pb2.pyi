@@ -28,12 +28,22 @@ class Tensor(_message.Message):
     def __init__(self, data_type: _Optional[int] = ..., format: _Optional[int] = ..., view_dims: _Optional[_Iterable[int]] = ..., strides: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., storage_dims: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., ref: _Optional[_Union[StorageRef, _Mapping]] = ...) -> None: ...
 
 class StorageRef(_message.Message):
-    __slots__ = ("handle", "region")
+    __slots__ = ("handle", "region", "device")
     HANDLE_FIELD_NUMBER: _ClassVar[int]
     REGION_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
     handle: str
     region: RegionSlice
-    def __init__(self, handle: _Optional[str] = ..., region: _Optional[_Union[RegionSlice, _Mapping]] = ...) -> None: ...
+    device: DeviceSlice
+    def __init__(self, handle: _Optional[str] = ..., region: _Optional[_Union[RegionSlice, _Mapping]] = ..., device: _Optional[_Union[DeviceSlice, _Mapping]] = ...) -> None: ...
+
+class DeviceSlice(_message.Message):
+    __slots__ = ("buffer", "offset")
+    BUFFER_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    buffer: str
+    offset: int
+    def __init__(self, buffer: _Optional[str] = ..., offset: _Optional[int] = ...) -> None: ...
 
 class RegionSlice(_message.Message):
     __slots__ = ("region", "offset", "size")
@@ -221,6 +231,68 @@ class ExecutorRef(_message.Message):
     EXECUTOR_FIELD_NUMBER: _ClassVar[int]
     executor: str
     def __init__(self, executor: _Optional[str] = ...) -> None: ...
+
+class MallocRequest(_message.Message):
+    __slots__ = ("size",)
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    size: int
+    def __init__(self, size: _Optional[int] = ...) -> None: ...
+
+class BufferInfo(_message.Message):
+    __slots__ = ("buffer", "size")
+    BUFFER_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    buffer: str
+    size: int
+    def __init__(self, buffer: _Optional[str] = ..., size: _Optional[int] = ...) -> None: ...
+
+class BufferRef(_message.Message):
+    __slots__ = ("buffer",)
+    BUFFER_FIELD_NUMBER: _ClassVar[int]
+    buffer: str
+    def __init__(self, buffer: _Optional[str] = ...) -> None: ...
+
+class BufferWrite(_message.Message):
+    __slots__ = ("buffer", "offset", "size", "data")
+    BUFFER_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    buffer: str
+    offset: int
+    size: int
+    data: bytes
+    def __init__(self, buffer: _Optional[str] = ..., offset: _Optional[int] = ..., size: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class BufferRange(_message.Message):
+    __slots__ = ("buffer", "offset", "size")
+    BUFFER_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    buffer: str
+    offset: int
+    size: int
+    def __init__(self, buffer: _Optional[str] = ..., offset: _Optional[int] = ..., size: _Optional[int] = ...) -> None: ...
+
+class BufferCopy(_message.Message):
+    __slots__ = ("dst", "src", "size")
+    DST_FIELD_NUMBER: _ClassVar[int]
+    SRC_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    dst: DeviceSlice
+    src: DeviceSlice
+    size: int
+    def __init__(self, dst: _Optional[_Union[DeviceSlice, _Mapping]] = ..., src: _Optional[_Union[DeviceSlice, _Mapping]] = ..., size: _Optional[int] = ...) -> None: ...
+
+class BufferFill(_message.Message):
+    __slots__ = ("dst", "size", "value")
+    DST_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    dst: DeviceSlice
+    size: int
+    value: int
+    def __init__(self, dst: _Optional[_Union[DeviceSlice, _Mapping]] = ..., size: _Optional[int] = ..., value: _Optional[int] = ...) -> None: ...
 
 class Empty(_message.Message):
     __slots__ = ()

@@ -90,6 +90,41 @@ class AclnnStub:
                 request_serializer=aclnn_dot_v1_dot_aclnn__pb2.Empty.SerializeToString,
                 response_deserializer=aclnn_dot_v1_dot_aclnn__pb2.DataChannelTicket.FromString,
                 _registered_method=True)
+        self.MallocBuffer = channel.unary_unary(
+                '/aclnn.v1.Aclnn/MallocBuffer',
+                request_serializer=aclnn_dot_v1_dot_aclnn__pb2.MallocRequest.SerializeToString,
+                response_deserializer=aclnn_dot_v1_dot_aclnn__pb2.BufferInfo.FromString,
+                _registered_method=True)
+        self.FreeBuffer = channel.unary_unary(
+                '/aclnn.v1.Aclnn/FreeBuffer',
+                request_serializer=aclnn_dot_v1_dot_aclnn__pb2.BufferRef.SerializeToString,
+                response_deserializer=aclnn_dot_v1_dot_aclnn__pb2.Empty.FromString,
+                _registered_method=True)
+        self.WriteBuffer = channel.stream_unary(
+                '/aclnn.v1.Aclnn/WriteBuffer',
+                request_serializer=aclnn_dot_v1_dot_aclnn__pb2.BufferWrite.SerializeToString,
+                response_deserializer=aclnn_dot_v1_dot_aclnn__pb2.Empty.FromString,
+                _registered_method=True)
+        self.ReadBuffer = channel.unary_stream(
+                '/aclnn.v1.Aclnn/ReadBuffer',
+                request_serializer=aclnn_dot_v1_dot_aclnn__pb2.BufferRange.SerializeToString,
+                response_deserializer=aclnn_dot_v1_dot_aclnn__pb2.TensorChunk.FromString,
+                _registered_method=True)
+        self.CopyBuffer = channel.unary_unary(
+                '/aclnn.v1.Aclnn/CopyBuffer',
+                request_serializer=aclnn_dot_v1_dot_aclnn__pb2.BufferCopy.SerializeToString,
+                response_deserializer=aclnn_dot_v1_dot_aclnn__pb2.Empty.FromString,
+                _registered_method=True)
+        self.FillBuffer = channel.unary_unary(
+                '/aclnn.v1.Aclnn/FillBuffer',
+                request_serializer=aclnn_dot_v1_dot_aclnn__pb2.BufferFill.SerializeToString,
+                response_deserializer=aclnn_dot_v1_dot_aclnn__pb2.Empty.FromString,
+                _registered_method=True)
+        self.Synchronize = channel.unary_unary(
+                '/aclnn.v1.Aclnn/Synchronize',
+                request_serializer=aclnn_dot_v1_dot_aclnn__pb2.Empty.SerializeToString,
+                response_deserializer=aclnn_dot_v1_dot_aclnn__pb2.Empty.FromString,
+                _registered_method=True)
 
 
 class AclnnServicer:
@@ -171,6 +206,53 @@ class AclnnServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def MallocBuffer(self, request, context):
+        """Device memory of the calling session (ended with it); ids of other sessions do not exist.
+        A transfer waits for the queued calls that use its buffers.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def FreeBuffer(self, request, context):
+        """queued calls still using it keep its memory until they end
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def WriteBuffer(self, request_iterator, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReadBuffer(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CopyBuffer(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def FillBuffer(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Synchronize(self, request, context):
+        """Waits for the calls queued on the stream in x-aclnn-stream (none: on every stream of the
+        session) and answers with the first failure among them, once.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AclnnServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -228,6 +310,41 @@ def add_AclnnServicer_to_server(servicer, server):
                     servicer.OpenDataChannel,
                     request_deserializer=aclnn_dot_v1_dot_aclnn__pb2.Empty.FromString,
                     response_serializer=aclnn_dot_v1_dot_aclnn__pb2.DataChannelTicket.SerializeToString,
+            ),
+            'MallocBuffer': grpc.unary_unary_rpc_method_handler(
+                    servicer.MallocBuffer,
+                    request_deserializer=aclnn_dot_v1_dot_aclnn__pb2.MallocRequest.FromString,
+                    response_serializer=aclnn_dot_v1_dot_aclnn__pb2.BufferInfo.SerializeToString,
+            ),
+            'FreeBuffer': grpc.unary_unary_rpc_method_handler(
+                    servicer.FreeBuffer,
+                    request_deserializer=aclnn_dot_v1_dot_aclnn__pb2.BufferRef.FromString,
+                    response_serializer=aclnn_dot_v1_dot_aclnn__pb2.Empty.SerializeToString,
+            ),
+            'WriteBuffer': grpc.stream_unary_rpc_method_handler(
+                    servicer.WriteBuffer,
+                    request_deserializer=aclnn_dot_v1_dot_aclnn__pb2.BufferWrite.FromString,
+                    response_serializer=aclnn_dot_v1_dot_aclnn__pb2.Empty.SerializeToString,
+            ),
+            'ReadBuffer': grpc.unary_stream_rpc_method_handler(
+                    servicer.ReadBuffer,
+                    request_deserializer=aclnn_dot_v1_dot_aclnn__pb2.BufferRange.FromString,
+                    response_serializer=aclnn_dot_v1_dot_aclnn__pb2.TensorChunk.SerializeToString,
+            ),
+            'CopyBuffer': grpc.unary_unary_rpc_method_handler(
+                    servicer.CopyBuffer,
+                    request_deserializer=aclnn_dot_v1_dot_aclnn__pb2.BufferCopy.FromString,
+                    response_serializer=aclnn_dot_v1_dot_aclnn__pb2.Empty.SerializeToString,
+            ),
+            'FillBuffer': grpc.unary_unary_rpc_method_handler(
+                    servicer.FillBuffer,
+                    request_deserializer=aclnn_dot_v1_dot_aclnn__pb2.BufferFill.FromString,
+                    response_serializer=aclnn_dot_v1_dot_aclnn__pb2.Empty.SerializeToString,
+            ),
+            'Synchronize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Synchronize,
+                    request_deserializer=aclnn_dot_v1_dot_aclnn__pb2.Empty.FromString,
+                    response_serializer=aclnn_dot_v1_dot_aclnn__pb2.Empty.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -527,6 +644,195 @@ class Aclnn:
             '/aclnn.v1.Aclnn/OpenDataChannel',
             aclnn_dot_v1_dot_aclnn__pb2.Empty.SerializeToString,
             aclnn_dot_v1_dot_aclnn__pb2.DataChannelTicket.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def MallocBuffer(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/aclnn.v1.Aclnn/MallocBuffer',
+            aclnn_dot_v1_dot_aclnn__pb2.MallocRequest.SerializeToString,
+            aclnn_dot_v1_dot_aclnn__pb2.BufferInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FreeBuffer(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/aclnn.v1.Aclnn/FreeBuffer',
+            aclnn_dot_v1_dot_aclnn__pb2.BufferRef.SerializeToString,
+            aclnn_dot_v1_dot_aclnn__pb2.Empty.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WriteBuffer(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/aclnn.v1.Aclnn/WriteBuffer',
+            aclnn_dot_v1_dot_aclnn__pb2.BufferWrite.SerializeToString,
+            aclnn_dot_v1_dot_aclnn__pb2.Empty.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReadBuffer(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/aclnn.v1.Aclnn/ReadBuffer',
+            aclnn_dot_v1_dot_aclnn__pb2.BufferRange.SerializeToString,
+            aclnn_dot_v1_dot_aclnn__pb2.TensorChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CopyBuffer(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/aclnn.v1.Aclnn/CopyBuffer',
+            aclnn_dot_v1_dot_aclnn__pb2.BufferCopy.SerializeToString,
+            aclnn_dot_v1_dot_aclnn__pb2.Empty.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FillBuffer(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/aclnn.v1.Aclnn/FillBuffer',
+            aclnn_dot_v1_dot_aclnn__pb2.BufferFill.SerializeToString,
+            aclnn_dot_v1_dot_aclnn__pb2.Empty.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Synchronize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/aclnn.v1.Aclnn/Synchronize',
+            aclnn_dot_v1_dot_aclnn__pb2.Empty.SerializeToString,
+            aclnn_dot_v1_dot_aclnn__pb2.Empty.FromString,
             options,
             channel_credentials,
             insecure,

@@ -81,6 +81,42 @@ class _ChunkUpload:
         check(received == total, "chunk", f"upload truncated: {received} of {total} bytes arrived")
 
 
+class _ChunkWrite:
+    """A WriteBuffer stream: the first message names the buffer, offset and size; all carry the bytes in order."""
+
+    def __init__(self, messages: Iterator[pb.BufferWrite]) -> None:
+        self.messages = messages
+        self.first: pb.BufferWrite | None = None
+
+    def _first(self) -> pb.BufferWrite:
+        if self.first is None:
+            self.first = next(self.messages, None)
+            if self.first is None:
+                raise invalid_error("data", "a write needs at least one message")
+        return self.first
+
+    @property
+    def buffer(self) -> str:
+        return self._first().buffer
+
+    @property
+    def offset(self) -> int:
+        return self._first().offset
+
+    @property
+    def size(self) -> int:
+        return self._first().size
+
+    def read_into(self, target: memoryview) -> None:
+        received = 0
+        for message in itertools.chain([self._first()], self.messages):
+            data = message.data
+            check(received + len(data) <= target.nbytes, "data", f"more than the {target.nbytes} bytes announced")
+            target[received : received + len(data)] = data
+            received += len(data)
+        check(received == target.nbytes, "data", f"write truncated: {received} of {target.nbytes} bytes arrived")
+
+
 class AclnnServicer(pb_grpc.AclnnServicer):
     """Each RPC: its CallContext from the gRPC context, then AclnnService; failures abort with their status."""
 
@@ -140,6 +176,27 @@ class AclnnServicer(pb_grpc.AclnnServicer):
     def OpenDataChannel(self, request: pb.Empty, context: grpc.ServicerContext) -> pb.DataChannelTicket:
         return self._serve("OpenDataChannel", request, context)
 
+    def MallocBuffer(self, request: pb.MallocRequest, context: grpc.ServicerContext) -> pb.BufferInfo:
+        return self._serve("MallocBuffer", request, context)
+
+    def FreeBuffer(self, request: pb.BufferRef, context: grpc.ServicerContext) -> pb.Empty:
+        return self._serve("FreeBuffer", request, context)
+
+    def WriteBuffer(self, request_iterator: Iterator[pb.BufferWrite], context: grpc.ServicerContext) -> pb.Empty:
+        return self._serve("WriteBuffer", _ChunkWrite(request_iterator), context)
+
+    def ReadBuffer(self, request: pb.BufferRange, context: grpc.ServicerContext) -> Iterator[pb.TensorChunk]:
+        return to_chunks(self._serve("ReadBuffer", request, context))
+
+    def CopyBuffer(self, request: pb.BufferCopy, context: grpc.ServicerContext) -> pb.Empty:
+        return self._serve("CopyBuffer", request, context)
+
+    def FillBuffer(self, request: pb.BufferFill, context: grpc.ServicerContext) -> pb.Empty:
+        return self._serve("FillBuffer", request, context)
+
+    def Synchronize(self, request: pb.Empty, context: grpc.ServicerContext) -> pb.Empty:
+        return self._serve("Synchronize", request, context)
+
 
 def bind_address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
@@ -165,8 +222,9 @@ class AclnnServer:
     def __init__(self, options: ServerOptions, engine: Engine) -> None:
         self.options, self.engine = options, engine
         self.metrics = Metrics(lambda: len(engine.executors))
-        self.storage = Storage(options.session_ttl_s, engine.ledger, engine.executors.end_session)
+        self.storage = Storage(options.session_ttl_s, engine.ledger, engine.end_session)
         self.metrics.track_memory(lambda: engine.ledger.held, engine.ledger.held_by_kind, engine.ledger.budget_bytes)
+        self.metrics.track_buffers(lambda: len(engine.buffers))
         self.health = health.HealthServicer(experimental_non_blocking=True)
         # Calls other than health checks: one per admitted or queued execution, plus a few cheap ones
         # (plans, uploads); beyond them RESOURCE_EXHAUSTED at once. Health checks have threads of their own.

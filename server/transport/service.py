@@ -24,6 +24,7 @@ from aclnn_common._proto import aclnn_pb2 as pb
 from aclnn_common.errors import AclnnError, Status, invalid_error
 
 from ..admission import CallAbandoned
+from ..buffers import ResidentStorage
 from ..descriptors import MAX_COUNT
 from ..engine import CallContext, Engine
 from ..errors import CapacityError
@@ -100,6 +101,17 @@ def failure_status(exc: Exception) -> tuple[status_pb2.Status, str]:
         code = code_pb2.DEADLINE_EXCEEDED if exc.reason == "deadline" else code_pb2.CANCELLED
         return status_pb2.Status(code=code, message=str(exc)), exc.reason.upper()
     return error_status(AclnnError(Status.INNER, f"internal error: {exc}")), Status.INNER.reason
+
+
+class BufferBytes(Protocol):
+    """A WriteBuffer's target and bytes as a transport delivers them."""
+
+    buffer: str
+    offset: int
+    size: int
+
+    def read_into(self, target: memoryview) -> None:
+        """Fills all of `target` or raises (161002 on `data`) when the bytes are truncated."""
 
 
 class Upload(Protocol):
@@ -221,15 +233,18 @@ class AclnnService:
             ]
         )
 
-    def _stored(self, ref: pb.StorageRef, call: CallContext) -> memoryview:
-        """The bytes a StorageRef names: an uploaded tensor, or a slice of a shared-memory region."""
+    def _stored(self, ref: pb.StorageRef, call: CallContext) -> memoryview | ResidentStorage:
+        """The bytes a StorageRef names: an uploaded tensor, a slice of a shared-memory region, or
+        device memory."""
         kind = ref.WhichOneof("kind")
         if kind == "handle":
             return self.storage.handle(call.session, call.owner, ref.handle)
         if kind == "region":
             r = ref.region
             return self.storage.region_slice(call.session, call.owner, r.region, r.offset, r.size)
-        raise invalid_error("ref", "names neither a tensor handle nor a region")
+        if kind == "device":
+            return self._device(ref.device, call, "buffer")
+        raise invalid_error("ref", "names neither a tensor handle, a region nor a device buffer")
 
     def _place(
         self, outputs: dict[str, np.ndarray], placements: Mapping[str, pb.OutputPlacement], call: CallContext
@@ -293,6 +308,48 @@ class AclnnService:
 
     def UnregisterRegion(self, region_id: str, call: CallContext) -> None:
         self.storage.unregister_region(call.session, call.owner, region_id)
+
+    # Device memory ------------------------------------------------------------------------
+
+    def MallocBuffer(self, request: pb.MallocRequest, call: CallContext) -> pb.BufferInfo:
+        buffer = self.engine.malloc(request.size, call)
+        return pb.BufferInfo(buffer=buffer.id, size=buffer.size)
+
+    def FreeBuffer(self, request: pb.BufferRef, call: CallContext) -> pb.Empty:
+        self.engine.free(request.buffer, call)
+        return pb.Empty()
+
+    def WriteBuffer(self, write: BufferBytes, call: CallContext) -> pb.Empty:
+        """Host -> device; a write whose bytes do not all arrive is 161002 naming `data` (the bytes
+        that did may have landed)."""
+        target = self.engine.buffers.slice(call.owner, call.session, write.buffer, write.offset)
+        size = write.size
+        self.engine.write_buffer(target, size, lambda array: write.read_into(memoryview(array)), call)
+        call.bytes_in = size
+        return pb.Empty()
+
+    def ReadBuffer(self, request: pb.BufferRange, call: CallContext) -> memoryview:
+        """Device -> host: the bytes, which the transport sends (in chunks, or raw)."""
+        source = self.engine.buffers.slice(call.owner, call.session, request.buffer, request.offset)
+        data = self.engine.read_buffer(source, request.size, call)
+        call.bytes_out = data.nbytes
+        return memoryview(data)
+
+    def CopyBuffer(self, request: pb.BufferCopy, call: CallContext) -> pb.Empty:
+        dst = self._device(request.dst, call, "dst")
+        self.engine.copy_buffer(dst, self._device(request.src, call, "src"), request.size, call)
+        return pb.Empty()
+
+    def FillBuffer(self, request: pb.BufferFill, call: CallContext) -> pb.Empty:
+        self.engine.fill_buffer(self._device(request.dst, call, "dst"), request.size, request.value, call)
+        return pb.Empty()
+
+    def Synchronize(self, request: pb.Empty, call: CallContext) -> pb.Empty:
+        self.engine.synchronize(call)
+        return pb.Empty()
+
+    def _device(self, ref: pb.DeviceSlice, call: CallContext, param: str) -> ResidentStorage:
+        return self.engine.buffers.slice(call.owner, call.session, ref.buffer, ref.offset, param)
 
     def KeepAlive(self, request: pb.Empty, call: CallContext) -> pb.Empty:
         return pb.Empty()  # invoke renewed the session's lease

@@ -18,12 +18,14 @@ from aclnn_common.framing import (
     MAILBOX,
     MAILBOX_MAX_BYTES,
     METHODS,
+    READ_BUFFER,
     REGION,
     REGISTER_REGION,
     REPLY,
     REQUEST,
     UNREGISTER_REGION,
     UPLOAD,
+    WRITE_BUFFER,
     ConnectionLost,
 )
 
@@ -34,7 +36,9 @@ from .connection import Connection, Limits, ProtocolError
 from .framing import MIN_BYTES_PER_S, drain, failure_parts, fill, ok, peer_closed, send, status
 from .mailbox import Mailbox
 
-_KINDS = frozenset({CALL, CALL | IN_MAILBOX, UPLOAD, DOWNLOAD, REGISTER_REGION, UNREGISTER_REGION, MAILBOX})
+_KINDS = frozenset(
+    {CALL, CALL | IN_MAILBOX, UPLOAD, DOWNLOAD, REGISTER_REGION, UNREGISTER_REGION, MAILBOX, WRITE_BUFFER, READ_BUFFER}
+)
 _WITH_DESCRIPTOR = frozenset({REGISTER_REGION, MAILBOX})
 
 
@@ -64,6 +68,26 @@ class _SocketUpload:
             raise invalid_error("chunk", f"upload truncated: {exc}") from None
         finally:
             sock.setblocking(False)
+
+
+class _SocketWrite:
+    """A WRITE_BUFFER: its message, with the bytes inline or (none inline) raw after an accepting reply."""
+
+    def __init__(self, requests: Requests, conn: Connection, message: pb.BufferWrite) -> None:
+        self.buffer, self.offset, self.size, self.data = message.buffer, message.offset, message.size, message.data
+        self.raw = _SocketUpload(requests, conn, message.size) if not message.data else None
+
+    @property
+    def started(self) -> bool:
+        return self.raw is not None and self.raw.started
+
+    def read_into(self, target: memoryview) -> None:
+        if self.raw is not None:
+            return self.raw.read_into(target)
+        if len(self.data) != target.nbytes:
+            raise invalid_error("data", f"{len(self.data)} bytes inline for a write of {target.nbytes}")
+        target[:] = self.data
+        return None
 
 
 class Requests:
@@ -139,7 +163,12 @@ class Requests:
                 return self.fail(conn, failure_status(exc)[0])
             return self.send(conn, *ok(reply.SerializeToString()))
         payload = conn.payload
+        if kind == WRITE_BUFFER:
+            return self._write_buffer(conn, payload, call, request_id)
         try:
+            if kind == READ_BUFFER:
+                data = self.service.invoke("ReadBuffer", pb.BufferRange.FromString(payload), call, request_id)
+                return self.send(conn, REPLY.pack(1, data.nbytes), data)
             if kind == DOWNLOAD:
                 buffer = self.service.invoke("DownloadTensor", pb.TensorHandle.FromString(payload), call, request_id)
                 return self.send(conn, REPLY.pack(1, buffer.nbytes), buffer)
@@ -154,7 +183,7 @@ class Requests:
             if kind == MAILBOX:
                 return self._take_mailbox(conn, REGION.unpack(payload)[0] if length == REGION.size else -1)
         except DecodeError:
-            return self.fail(conn, status(code_pb2.INVALID_ARGUMENT, "DOWNLOAD request does not parse"))
+            return self.fail(conn, status(code_pb2.INVALID_ARGUMENT, f"request of kind {kind} does not parse"))
         except Exception as exc:
             return self.fail(conn, failure_status(exc)[0])
         method = bytes(payload[1 : 1 + payload[0]]).decode(errors="replace") if length else ""
@@ -170,6 +199,20 @@ class Requests:
         except Exception as exc:
             return self.fail(conn, failure_status(exc)[0])
         return self.send(conn, *ok(reply.SerializeToString()))
+
+    def _write_buffer(self, conn: Connection, payload: memoryview, call: CallContext, request_id: str) -> None:
+        """Serves a WRITE_BUFFER; one that fails after the client was told to send its bytes drops the connection."""
+        try:
+            write = _SocketWrite(self, conn, pb.BufferWrite.FromString(payload))
+        except DecodeError:
+            return self.fail(conn, status(code_pb2.INVALID_ARGUMENT, "WRITE_BUFFER request does not parse"))
+        try:
+            self.service.invoke("WriteBuffer", write, call, request_id)
+        except Exception as exc:
+            if write.started:  # the rest of the bytes are still on their way
+                raise ProtocolError(f"write failed: {exc}") from None
+            return self.fail(conn, failure_status(exc)[0])
+        return self.send(conn, *ok(b""))
 
     def _take_mailbox(self, conn: Connection, size: int) -> None:
         """Keeps the memfd the connection passed as its mailbox (in place of one it had). The server

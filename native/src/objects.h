@@ -1,0 +1,35 @@
+// The argument objects behind the opaque CANN handles (libnnopbase), read by the operators (libopapi).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "aclnn/acl_meta.h"
+
+struct aclTensor {
+    std::vector<int64_t> view_dims, strides, storage_dims;
+    int64_t offset = 0;
+    aclDataType data_type = ACL_FLOAT;
+    aclFormat format = ACL_FORMAT_ND;
+    void *data = nullptr;  // device memory (a pointer into an aclrtMalloc allocation), or null
+};
+
+struct aclIntArray {
+    std::vector<int64_t> values;
+};
+
+struct aclFloatArray {
+    std::vector<float> values;
+};
+
+struct aclBoolArray {
+    std::vector<bool> values;
+};
+
+// A planned call on the server: its executor id there.
+struct aclOpExecutor {
+    std::string op;
+    std::string id;
+    bool repeatable = false;
+};

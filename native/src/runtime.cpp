@@ -1,0 +1,539 @@
+// libascendcl: the connection to aclnn-serve, device memory and streams (CANN's runtime API).
+//
+// Device memory is buffers on the server, in this process's session. aclrtMalloc hands out
+// addresses from a range reserved here with no access (PROT_NONE), one region per allocation, so
+// that pointer arithmetic inside an allocation maps back to (buffer, byte offset), a host pointer
+// is told apart from device memory, and dereferencing a device pointer on the host faults at once.
+#include <sys/mman.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <map>
+#include <mutex>
+#include <random>
+#include <sstream>
+#include <thread>
+
+#include "acl/acl.h"
+#include "aclnn/acl_meta.h"
+#include "aclnn_rpc_status.pb.h"
+#include "remote.h"
+
+namespace aclnn_remote {
+namespace {
+
+constexpr size_t kChunkBytes = 1 << 20;  // bytes per message of a streamed transfer
+constexpr size_t kAlign = 512;           // allocations start at multiples of this (as CANN's)
+constexpr auto kKeepAlive = std::chrono::seconds(10);
+
+thread_local std::string recent_error;
+
+std::string environment(const char *name, const char *fallback = "")
+{
+    const char *value = std::getenv(name);
+    return value && *value ? value : fallback;
+}
+
+std::string read_file(const std::string &path)
+{
+    std::ifstream in(path, std::ios::binary);
+    std::stringstream text;
+    text << in.rdbuf();
+    return text.str();
+}
+
+// "host:port", a comma-separated list of them (gRPC's ipv4: list), or any gRPC target ("dns:///name:port").
+std::string grpc_target(const std::string &spec)
+{
+    if (spec.find(',') != std::string::npos && spec.find(':') != std::string::npos &&
+        spec.find("//") == std::string::npos && spec.rfind("ipv", 0) != 0)
+        return "ipv4:" + spec;
+    return spec;
+}
+
+struct Connection {
+    std::shared_ptr<grpc::Channel> channel;
+    std::unique_ptr<aclnn::v1::Aclnn::Stub> stub;
+    std::string session;
+    std::string token;
+};
+
+Connection *connect()
+{
+    auto *c = new Connection;
+    std::shared_ptr<grpc::ChannelCredentials> credentials;
+    std::string roots = environment("ACLNN_REMOTE_ROOT_CERTS");
+    if (!roots.empty() || environment("ACLNN_REMOTE_TLS") == "1") {
+        grpc::SslCredentialsOptions tls;
+        if (!roots.empty()) tls.pem_root_certs = read_file(roots);
+        credentials = grpc::SslCredentials(tls);
+    } else {
+        credentials = grpc::InsecureChannelCredentials();
+    }
+    grpc::ChannelArguments arguments;
+    arguments.SetMaxReceiveMessageSize(-1);
+    arguments.SetMaxSendMessageSize(-1);
+    c->channel = grpc::CreateCustomChannel(grpc_target(environment("ACLNN_REMOTE_TARGET", "127.0.0.1:50051")),
+                                           credentials, arguments);
+    c->stub = aclnn::v1::Aclnn::NewStub(c->channel);
+    std::string token_file = environment("ACLNN_REMOTE_TOKEN_FILE");
+    if (!token_file.empty()) {
+        c->token = read_file(token_file);
+        c->token.erase(c->token.find_last_not_of(" \t\r\n") + 1);
+        c->token.erase(0, c->token.find_first_not_of(" \t\r\n"));
+        c->token = c->token.substr(0, c->token.find_first_of("\r\n"));  // the file's first token
+    }
+    std::random_device random;
+    std::ostringstream session;
+    for (int i = 0; i < 4; i++) session << std::hex << static_cast<uint32_t>(random());
+    c->session = session.str();
+    return c;
+}
+
+// Created on first use and never destroyed: gRPC's own statics may be gone when this process exits.
+Connection &connection()
+{
+    static Connection *c = connect();
+    return *c;
+}
+
+// The reserved address range and the allocations in it.
+class AddressSpace {
+public:
+    // A region for `size` bytes of buffer `id`; 0 when the range is full.
+    uintptr_t take(size_t size, const std::string &id)
+    {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (!reserve()) return 0;
+        size_t length = (size + 2 * kAlign - 1) / kAlign * kAlign;  // a gap after each: end pointers stay unique
+        for (auto it = free_.begin(); it != free_.end(); ++it) {
+            if (it->second < length) continue;
+            uintptr_t start = it->first;
+            size_t left = it->second - length;
+            free_.erase(it);
+            if (left) free_[start + length] = left;
+            live_[start] = Allocation{id, size, length};
+            return start;
+        }
+        return 0;
+    }
+
+    // The buffer id of the allocation starting at `start` (false: none does), which is released.
+    bool release(uintptr_t start, std::string *id)
+    {
+        std::lock_guard<std::mutex> lock(mu_);
+        auto it = live_.find(start);
+        if (it == live_.end()) return false;
+        *id = it->second.id;
+        size_t length = it->second.length;
+        live_.erase(it);
+        auto next = free_.lower_bound(start);
+        if (next != free_.end() && next->first == start + length) {
+            length += next->second;
+            free_.erase(next);
+        }
+        auto previous = free_.lower_bound(start);
+        if (previous != free_.begin() && (--previous)->first + previous->second == start) {
+            previous->second += length;
+        } else {
+            free_[start] = length;
+        }
+        return true;
+    }
+
+    bool resolve(const void *ptr, DeviceRef *ref)
+    {
+        auto p = reinterpret_cast<uintptr_t>(ptr);
+        std::lock_guard<std::mutex> lock(mu_);
+        auto it = live_.upper_bound(p);
+        if (it == live_.begin()) return false;
+        --it;
+        if (p - it->first > it->second.size) return false;  // past the end (one past it is still a pointer)
+        ref->buffer = it->second.id;
+        ref->offset = p - it->first;
+        ref->available = it->second.size - ref->offset;
+        return true;
+    }
+
+    bool contains(const void *ptr)
+    {
+        auto p = reinterpret_cast<uintptr_t>(ptr);
+        std::lock_guard<std::mutex> lock(mu_);
+        return base_ && p >= base_ && p < base_ + length_;
+    }
+
+private:
+    struct Allocation {
+        std::string id;
+        size_t size;
+        size_t length;
+    };
+
+    bool reserve()
+    {
+        if (base_) return true;
+        for (size_t length = size_t(1) << 42; length >= (size_t(1) << 30); length >>= 1) {
+            void *p = mmap(nullptr, length, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+            if (p != MAP_FAILED) {
+                base_ = reinterpret_cast<uintptr_t>(p);
+                length_ = length;
+                free_[(base_ + kAlign - 1) / kAlign * kAlign] = length - kAlign;
+                return true;
+            }
+        }
+        return false;
+    }
+
+    std::mutex mu_;
+    uintptr_t base_ = 0;
+    size_t length_ = 0;
+    std::map<uintptr_t, size_t> free_;       // start -> length
+    std::map<uintptr_t, Allocation> live_;  // start -> allocation
+};
+
+AddressSpace &address_space()
+{
+    static AddressSpace *space = new AddressSpace;
+    return *space;
+}
+
+// Renews the session's lease while the process holds device memory (the server frees a lapsed session's).
+void keep_alive()
+{
+    static std::once_flag started;
+    std::call_once(started, [] {
+        std::thread([] {
+            for (;;) {
+                std::this_thread::sleep_for(kKeepAlive);
+                aclnn::v1::Empty request, reply;
+                stub().KeepAlive(context().get(), request, &reply);  // a failure: the next call reports it
+            }
+        }).detach();
+    });
+}
+
+struct Stream {
+    int64_t id;
+};
+std::atomic<int64_t> next_stream{1};
+std::atomic<int> initialized{0};
+
+// A runtime (aclrt*) failure's aclError: the server refused the arguments, it is out of memory, or else.
+aclError runtime_failure(const grpc::Status &status)
+{
+    int code = rpc_failure(status);
+    if (status.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED) return ACL_ERROR_RT_MEMORY_ALLOCATION;
+    if (code == ACLNN_ERR_PARAM_NULLPTR || code == ACLNN_ERR_PARAM_INVALID) return ACL_ERROR_INVALID_PARAM;
+    return ACL_ERROR_RT_INTERNAL_ERROR;
+}
+
+// `count` bytes of device memory at `ptr`, or an error recorded for `what`.
+aclError device_range(const void *ptr, size_t count, const char *what, DeviceRef *ref)
+{
+    if (!resolve(ptr, ref))
+        return fail(ACL_ERROR_INVALID_PARAM, std::string(what) + ": not device memory (a pointer from aclrtMalloc)");
+    if (count > ref->available)
+        return fail(ACL_ERROR_INVALID_PARAM, std::string(what) + ": " + std::to_string(count) +
+                                                 " bytes run past the end of its allocation");
+    return ACL_SUCCESS;
+}
+
+aclError host_range(const void *ptr, size_t count, const char *what)
+{
+    if (count && !ptr) return fail(ACL_ERROR_INVALID_PARAM, std::string(what) + ": is null");
+    if (address_space().contains(ptr))
+        return fail(ACL_ERROR_INVALID_PARAM, std::string(what) + ": is device memory, not host memory");
+    return ACL_SUCCESS;
+}
+
+aclError write(const DeviceRef &dst, const void *src, size_t count)
+{
+    aclnn::v1::Empty reply;
+    auto ctx = context();
+    std::unique_ptr<grpc::ClientWriter<aclnn::v1::BufferWrite>> writer(stub().WriteBuffer(ctx.get(), &reply));
+    const char *bytes = static_cast<const char *>(src);
+    size_t sent = 0;
+    do {
+        aclnn::v1::BufferWrite message;
+        if (sent == 0) {
+            message.set_buffer(dst.buffer);
+            message.set_offset(dst.offset);
+            message.set_size(count);
+        }
+        size_t n = std::min(kChunkBytes, count - sent);
+        message.set_data(bytes + sent, n);
+        sent += n;
+        if (!writer->Write(message)) break;  // the server ended the call: Finish says why
+    } while (sent < count);
+    writer->WritesDone();
+    grpc::Status status = writer->Finish();
+    return status.ok() ? ACL_SUCCESS : runtime_failure(status);
+}
+
+aclError read(void *dst, const DeviceRef &src, size_t count)
+{
+    aclnn::v1::BufferRange request;
+    request.set_buffer(src.buffer);
+    request.set_offset(src.offset);
+    request.set_size(count);
+    auto ctx = context();
+    std::unique_ptr<grpc::ClientReader<aclnn::v1::TensorChunk>> reader(stub().ReadBuffer(ctx.get(), request));
+    aclnn::v1::TensorChunk chunk;
+    size_t received = 0;
+    bool in_order = true;
+    while (reader->Read(&chunk)) {
+        if (chunk.offset() != received || received + chunk.data().size() > count) {
+            in_order = false;
+            continue;  // drained, then refused
+        }
+        std::memcpy(static_cast<char *>(dst) + received, chunk.data().data(), chunk.data().size());
+        received += chunk.data().size();
+    }
+    grpc::Status status = reader->Finish();
+    if (!status.ok()) return runtime_failure(status);
+    if (!in_order || received != count)
+        return fail(ACL_ERROR_RT_INTERNAL_ERROR, "device -> host copy: the server sent " + std::to_string(received) +
+                                                     " bytes out of order or of " + std::to_string(count));
+    return ACL_SUCCESS;
+}
+
+aclError synchronize(int64_t stream)
+{
+    aclnn::v1::Empty request, reply;
+    grpc::Status status = stub().Synchronize(context(stream).get(), request, &reply);
+    return status.ok() ? ACL_SUCCESS : rpc_failure(status);  // a queued call's failure: its own status
+}
+
+}  // namespace
+
+aclnn::v1::Aclnn::Stub &stub() { return *connection().stub; }
+
+std::unique_ptr<grpc::ClientContext> context(int64_t stream)
+{
+    auto ctx = std::make_unique<grpc::ClientContext>();
+    Connection &c = connection();
+    ctx->AddMetadata("x-aclnn-session", c.session);
+    if (!c.token.empty()) ctx->AddMetadata("authorization", "Bearer " + c.token);
+    if (stream >= 0) ctx->AddMetadata("x-aclnn-stream", std::to_string(stream));
+    return ctx;
+}
+
+int64_t stream_id(void *stream) { return stream ? static_cast<Stream *>(stream)->id : 0; }
+
+bool resolve(const void *ptr, DeviceRef *ref) { return address_space().resolve(ptr, ref); }
+
+int fail(int code, const std::string &message)
+{
+    recent_error = message;
+    return code;
+}
+
+int rpc_failure(const grpc::Status &status)
+{
+    int code = ACLNN_ERR_RUNTIME_ERROR;
+    aclnn_native::RpcStatus details;
+    if (!status.error_details().empty() && details.ParseFromString(status.error_details())) {
+        for (const auto &any : details.details()) {
+            aclnn_native::RpcErrorInfo info;
+            if (any.type_url().find("google.rpc.ErrorInfo") == std::string::npos ||
+                !info.ParseFromString(any.value()) || info.domain() != "aclnn")
+                continue;
+            auto found = info.metadata().find("status");
+            if (found != info.metadata().end()) code = std::atoi(found->second.c_str());
+        }
+    }
+    std::string message = status.error_message();
+    if (code == ACLNN_ERR_RUNTIME_ERROR && message.find("UNAVAILABLE") == std::string::npos &&
+        status.error_code() == grpc::StatusCode::UNAVAILABLE)
+        message = "UNAVAILABLE: the server at " + environment("ACLNN_REMOTE_TARGET", "127.0.0.1:50051") +
+                  " cannot be reached: " + message;
+    return fail(code, message);
+}
+
+}  // namespace aclnn_remote
+
+using namespace aclnn_remote;
+
+extern "C" {
+
+const char *aclGetRecentErrMsg(void) { return recent_error.empty() ? nullptr : recent_error.c_str(); }
+
+aclError aclInit(const char *)
+{
+    if (initialized.exchange(1)) return fail(ACL_ERROR_REPEAT_INITIALIZE, "aclInit: already initialized");
+    connection();
+    return ACL_SUCCESS;
+}
+
+aclError aclFinalize(void)
+{
+    if (!initialized.exchange(0)) return fail(ACL_ERROR_UNINITIALIZE, "aclFinalize: aclInit was not called");
+    return ACL_SUCCESS;
+}
+
+// The pool is one device to a program: the server places the work.
+aclError aclrtSetDevice(int32_t deviceId)
+{
+    if (deviceId != 0) return fail(ACL_ERROR_INVALID_DEVICE, "aclrtSetDevice: the server is device 0");
+    return ACL_SUCCESS;
+}
+
+aclError aclrtResetDevice(int32_t deviceId) { return aclrtSetDevice(deviceId); }
+
+aclError aclrtGetDevice(int32_t *deviceId)
+{
+    if (!deviceId) return fail(ACL_ERROR_INVALID_PARAM, "aclrtGetDevice: deviceId is null");
+    *deviceId = 0;
+    return ACL_SUCCESS;
+}
+
+aclError aclrtGetDeviceCount(uint32_t *count)
+{
+    if (!count) return fail(ACL_ERROR_INVALID_PARAM, "aclrtGetDeviceCount: count is null");
+    *count = 1;
+    return ACL_SUCCESS;
+}
+
+aclError aclrtSynchronizeDevice(void) { return synchronize(-1); }
+
+aclError aclrtCreateStream(aclrtStream *stream)
+{
+    if (!stream) return fail(ACL_ERROR_INVALID_PARAM, "aclrtCreateStream: stream is null");
+    *stream = new Stream{next_stream++};
+    return ACL_SUCCESS;
+}
+
+aclError aclrtDestroyStream(aclrtStream stream)
+{
+    if (!stream) return fail(ACL_ERROR_INVALID_PARAM, "aclrtDestroyStream: stream is null");
+    aclError code = synchronize(stream_id(stream));  // its queued calls finish first, as on the device
+    delete static_cast<Stream *>(stream);
+    return code;
+}
+
+aclError aclrtSynchronizeStream(aclrtStream stream) { return synchronize(stream_id(stream)); }
+
+aclError aclrtMalloc(void **devPtr, size_t size, aclrtMemMallocPolicy)
+{
+    if (!devPtr) return fail(ACL_ERROR_INVALID_PARAM, "aclrtMalloc: devPtr is null");
+    if (size == 0) return fail(ACL_ERROR_INVALID_PARAM, "aclrtMalloc: size is 0");
+    aclnn::v1::MallocRequest request;
+    request.set_size(size);
+    aclnn::v1::BufferInfo reply;
+    grpc::Status status = stub().MallocBuffer(context().get(), request, &reply);
+    if (!status.ok()) return runtime_failure(status);
+    uintptr_t start = address_space().take(size, reply.buffer());
+    if (!start) {
+        aclnn::v1::BufferRef buffer;
+        buffer.set_buffer(reply.buffer());
+        aclnn::v1::Empty empty;
+        stub().FreeBuffer(context().get(), buffer, &empty);
+        return fail(ACL_ERROR_RT_MEMORY_ALLOCATION, "aclrtMalloc: no device address range left in this process");
+    }
+    keep_alive();
+    *devPtr = reinterpret_cast<void *>(start);
+    return ACL_SUCCESS;
+}
+
+aclError aclrtFree(void *devPtr)
+{
+    if (!devPtr) return ACL_SUCCESS;
+    aclnn::v1::BufferRef request;
+    if (!address_space().release(reinterpret_cast<uintptr_t>(devPtr), request.mutable_buffer()))
+        return fail(ACL_ERROR_INVALID_PARAM, "aclrtFree: not the start of a device allocation");
+    aclnn::v1::Empty reply;
+    grpc::Status status = stub().FreeBuffer(context().get(), request, &reply);
+    return status.ok() ? ACL_SUCCESS : runtime_failure(status);
+}
+
+aclError aclrtMallocHost(void **hostPtr, size_t size)
+{
+    if (!hostPtr || size == 0) return fail(ACL_ERROR_INVALID_PARAM, "aclrtMallocHost: hostPtr is null or size 0");
+    *hostPtr = std::aligned_alloc(64, (size + 63) / 64 * 64);
+    return *hostPtr ? ACL_SUCCESS : fail(ACL_ERROR_BAD_ALLOC, "aclrtMallocHost: out of host memory");
+}
+
+aclError aclrtFreeHost(void *hostPtr)
+{
+    std::free(hostPtr);
+    return ACL_SUCCESS;
+}
+
+aclError aclrtMemcpy(void *dst, size_t destMax, const void *src, size_t count, aclrtMemcpyKind kind)
+{
+    if (count > destMax)
+        return fail(ACL_ERROR_INVALID_PARAM, "aclrtMemcpy: count " + std::to_string(count) + " > destMax " +
+                                                 std::to_string(destMax));
+    DeviceRef dst_ref, src_ref;
+    aclError code;
+    switch (kind) {
+    case ACL_MEMCPY_HOST_TO_HOST:
+        if ((code = host_range(dst, count, "aclrtMemcpy dst")) || (code = host_range(src, count, "aclrtMemcpy src")))
+            return code;
+        if (count) std::memmove(dst, src, count);
+        return ACL_SUCCESS;
+    case ACL_MEMCPY_HOST_TO_DEVICE:
+        if ((code = device_range(dst, count, "aclrtMemcpy dst", &dst_ref)) ||
+            (code = host_range(src, count, "aclrtMemcpy src")))
+            return code;
+        return write(dst_ref, src, count);
+    case ACL_MEMCPY_DEVICE_TO_HOST:
+        if ((code = host_range(dst, count, "aclrtMemcpy dst")) ||
+            (code = device_range(src, count, "aclrtMemcpy src", &src_ref)))
+            return code;
+        return read(dst, src_ref, count);
+    case ACL_MEMCPY_DEVICE_TO_DEVICE: {
+        if ((code = device_range(dst, count, "aclrtMemcpy dst", &dst_ref)) ||
+            (code = device_range(src, count, "aclrtMemcpy src", &src_ref)))
+            return code;
+        aclnn::v1::BufferCopy request;
+        request.mutable_dst()->set_buffer(dst_ref.buffer);
+        request.mutable_dst()->set_offset(dst_ref.offset);
+        request.mutable_src()->set_buffer(src_ref.buffer);
+        request.mutable_src()->set_offset(src_ref.offset);
+        request.set_size(count);
+        aclnn::v1::Empty reply;
+        grpc::Status status = stub().CopyBuffer(context().get(), request, &reply);
+        return status.ok() ? ACL_SUCCESS : runtime_failure(status);
+    }
+    }
+    return fail(ACL_ERROR_INVALID_PARAM, "aclrtMemcpy: unknown kind " + std::to_string(kind));
+}
+
+// Ordered after the stream's queued calls by waiting for them: the copy itself is then synchronous.
+aclError aclrtMemcpyAsync(void *dst, size_t destMax, const void *src, size_t count, aclrtMemcpyKind kind,
+                          aclrtStream stream)
+{
+    aclError code = synchronize(stream_id(stream));
+    return code ? code : aclrtMemcpy(dst, destMax, src, count, kind);
+}
+
+aclError aclrtMemset(void *devPtr, size_t maxCount, int32_t value, size_t count)
+{
+    if (count > maxCount)
+        return fail(ACL_ERROR_INVALID_PARAM, "aclrtMemset: count " + std::to_string(count) + " > maxCount " +
+                                                 std::to_string(maxCount));
+    DeviceRef ref;
+    if (aclError code = device_range(devPtr, count, "aclrtMemset devPtr", &ref)) return code;
+    aclnn::v1::BufferFill request;
+    request.mutable_dst()->set_buffer(ref.buffer);
+    request.mutable_dst()->set_offset(ref.offset);
+    request.set_size(count);
+    request.set_value(static_cast<uint32_t>(value) & 0xff);
+    aclnn::v1::Empty reply;
+    grpc::Status status = stub().FillBuffer(context().get(), request, &reply);
+    return status.ok() ? ACL_SUCCESS : runtime_failure(status);
+}
+
+aclError aclrtMemsetAsync(void *devPtr, size_t maxCount, int32_t value, size_t count, aclrtStream stream)
+{
+    aclError code = synchronize(stream_id(stream));
+    return code ? code : aclrtMemset(devPtr, maxCount, value, count);
+}
+
+}  // extern "C"

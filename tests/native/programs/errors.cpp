@@ -1,0 +1,70 @@
+// Refusals a CANN program meets, each printed as "<case> <status> <aclGetRecentErrMsg()>".
+#include <cstdio>
+#include <vector>
+
+#include "acl/acl.h"
+#include "aclnnop/aclnn_layer_norm_backward.h"
+
+static void report(const char *name, long long status)
+{
+    const char *message = aclGetRecentErrMsg();
+    std::printf("%s %lld %s\n", name, status, status && message ? message : "");
+}
+
+int main()
+{
+    aclInit(nullptr);
+    aclrtSetDevice(0);
+    aclrtStream stream = nullptr;
+    aclrtCreateStream(&stream);
+    std::vector<int64_t> shape = {2, 4}, strides = {4, 1}, vec = {4}, unit = {1}, stats = {2, 1}, ones = {1, 1};
+    void *device = nullptr;
+    aclrtMalloc(&device, 256, ACL_MEM_MALLOC_HUGE_FIRST);
+    char *d = static_cast<char *>(device);
+    auto tensor = [&](const std::vector<int64_t> &dims, const std::vector<int64_t> &st, void *data) {
+        return aclCreateTensor(dims.data(), dims.size(), ACL_FLOAT, st.data(), 0, ACL_FORMAT_ND, dims.data(), dims.size(), data);
+    };
+    aclTensor *x = tensor(shape, strides, d), *dy = tensor(shape, strides, d + 32), *dx = tensor(shape, strides, d + 64);
+    aclTensor *mean = tensor(stats, ones, d + 96), *rstd = tensor(stats, ones, d + 104);
+    aclTensor *dw = tensor(vec, unit, d + 112), *db = tensor(vec, unit, d + 128);
+    int64_t norm_dims[1] = {4}, bad_dims[1] = {3};
+    bool mask_data[3] = {true, true, true};
+    aclIntArray *norm = aclCreateIntArray(norm_dims, 1), *bad_norm = aclCreateIntArray(bad_dims, 1);
+    aclBoolArray *mask = aclCreateBoolArray(mask_data, 3);
+    uint64_t workspace = 0;
+    aclOpExecutor *executor = nullptr;
+
+    report("null_gradOut", aclnnLayerNormBackwardGetWorkspaceSize(nullptr, x, norm, mean, rstd, nullptr, nullptr, mask,
+                                                                  dx, dw, db, &workspace, &executor));
+    report("bad_normalizedShape", aclnnLayerNormBackwardGetWorkspaceSize(dy, x, bad_norm, mean, rstd, nullptr, nullptr,
+                                                                         mask, dx, dw, db, &workspace, &executor));
+    float host[8] = {0};
+    aclTensor *on_host = tensor(shape, strides, host);
+    report("host_pointer", aclnnLayerNormBackwardGetWorkspaceSize(on_host, x, norm, mean, rstd, nullptr, nullptr, mask,
+                                                                  dx, dw, db, &workspace, &executor));
+    aclTensor *past_end = tensor(shape, strides, d + 240);
+    report("past_end", aclnnLayerNormBackwardGetWorkspaceSize(past_end, x, norm, mean, rstd, nullptr, nullptr, mask,
+                                                              dx, dw, db, &workspace, &executor));
+    report("ok", aclnnLayerNormBackwardGetWorkspaceSize(dy, x, norm, mean, rstd, nullptr, nullptr, mask, dx, dw, db,
+                                                        &workspace, &executor));
+    report("launch", aclnnLayerNormBackward(nullptr, workspace, executor, stream));
+    report("synchronize", aclrtSynchronizeStream(stream));
+    report("launch_null_executor", aclnnLayerNormBackward(nullptr, 0, nullptr, stream));
+    report("memcpy_host_as_device", aclrtMemcpy(host, sizeof host, host, sizeof host, ACL_MEMCPY_HOST_TO_DEVICE));
+    report("memcpy_device_as_host", aclrtMemcpy(device, 32, d + 32, 32, ACL_MEMCPY_HOST_TO_DEVICE));
+    report("memcpy_past_end", aclrtMemcpy(host, sizeof host, d + 250, sizeof host, ACL_MEMCPY_DEVICE_TO_HOST));
+    report("memcpy_count_over_destMax", aclrtMemcpy(host, 4, d, sizeof host, ACL_MEMCPY_DEVICE_TO_HOST));
+    report("free_null", aclrtFree(nullptr));
+    report("free_inside", aclrtFree(d + 8));
+    report("free", aclrtFree(device));
+    report("use_after_free", aclrtMemcpy(host, sizeof host, device, sizeof host, ACL_MEMCPY_DEVICE_TO_HOST));
+    report("malloc_zero", aclrtMalloc(&device, 0, ACL_MEM_MALLOC_HUGE_FIRST));
+    report("set_device_1", aclrtSetDevice(1));
+    for (aclTensor *t : {x, dy, dx, mean, rstd, dw, db, on_host, past_end}) aclDestroyTensor(t);
+    aclDestroyIntArray(norm);
+    aclDestroyIntArray(bad_norm);
+    aclDestroyBoolArray(mask);
+    aclrtDestroyStream(stream);
+    aclFinalize();
+    return 0;
+}

@@ -1,0 +1,265 @@
+"""Device memory on the server: buffers, calls on them, streams — through Client (both transports) and LocalClient."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import numpy as np
+import pytest
+import torch
+from oracle import assert_close
+
+from aclnn_client import AclnnError, Client, DataType, Format, create_tensor
+from aclnn_common._proto import aclnn_pb2 as pb
+from aclnn_common._proto import aclnn_pb2_grpc as pb_grpc
+from aclnn_common.device import DeviceBuffer
+from aclnn_server import LocalClient
+
+
+@pytest.fixture(params=["grpc", "data-channel", "local"])
+def device_client(request: pytest.FixtureRequest, backend: str):
+    if request.param == "local":
+        c = LocalClient(backend=backend)
+    else:
+        c = Client(request.getfixturevalue("server_address"), data_channel=request.param == "data-channel")
+    yield c
+    c.close()
+
+
+def on_device(buf: DeviceBuffer, shape: tuple[int, ...], data_type: int = DataType.FLOAT):
+    strides = [1] * len(shape)
+    for i in range(len(shape) - 2, -1, -1):
+        strides[i] = strides[i + 1] * shape[i + 1]
+    return create_tensor(shape, data_type, strides, 0, Format.ND, shape, buf)
+
+
+def test_transfers_round_trip(device_client, rng):
+    """host -> device -> device -> host, memset, pointer offsets; sizes below and above one message."""
+    for nbytes in (24, 40_000, 3 << 20):
+        data = rng.integers(0, 256, nbytes, dtype=np.uint8)
+        a, b = device_client.malloc(nbytes), device_client.malloc(nbytes + 8)
+        device_client.memcpy(a, data)
+        device_client.memcpy(b + 8, a, nbytes)
+        device_client.memset(b, 0xAB, 8)
+        back = np.empty(nbytes + 8, np.uint8)
+        device_client.memcpy(back, b)
+        assert (back[:8] == 0xAB).all() and np.array_equal(back[8:], data)
+        part = np.empty(8, np.uint8)
+        device_client.memcpy(part, b.at(nbytes), 8)
+        assert np.array_equal(part, data[-8:])
+        device_client.free(a)
+        device_client.free(b)
+
+
+def test_fresh_memory_is_zero(device_client):
+    buf = device_client.malloc(4096)
+    back = np.full(4096, 9, np.uint8)
+    device_client.memcpy(back, buf)
+    assert not back.any()
+    device_client.free(buf)
+
+
+def test_bad_transfers_are_refused(device_client):
+    buf = device_client.malloc(64)
+    with pytest.raises(AclnnError) as err:
+        device_client.memcpy(buf + 32, np.zeros(64, np.uint8))
+    assert err.value.code == 161002
+    with pytest.raises(AclnnError) as err:
+        buf + 65
+    assert err.value.param == "offset"
+    with pytest.raises(AclnnError) as err:
+        device_client.memset(buf, 256, 4)
+    assert err.value.param == "value"
+    with pytest.raises(AclnnError) as err:
+        device_client.memcpy(buf, buf + 8)  # device -> device needs a size
+    assert err.value.param == "nbytes"
+    with pytest.raises(AclnnError) as err:
+        device_client.free(buf + 8)
+    assert err.value.param == "buf"
+    device_client.free(buf)
+    with pytest.raises(AclnnError) as err:
+        device_client.free(buf)
+    assert err.value.code == 161002 and "unknown or freed" in err.value.message
+
+
+def layer_norm_reference(x: np.ndarray, dy: np.ndarray, w: np.ndarray, b: np.ndarray):
+    t = lambda a: torch.from_numpy(np.asarray(a, np.float64))  # noqa: E731
+    y, mean, rstd = torch.ops.aten.native_layer_norm(t(x), [x.shape[1]], t(w), t(b), 1e-5)
+    mean32, rstd32 = mean.numpy().astype(np.float32), rstd.numpy().astype(np.float32)
+    grads = torch.ops.aten.native_layer_norm_backward(
+        t(dy), t(x), [x.shape[1]], t(mean32), t(rstd32), t(w), t(b), [True] * 3
+    )
+    return y, mean, rstd, *grads
+
+
+@pytest.mark.parametrize("stream", [None, 3])
+def test_layer_norm_forward_and_backward_stay_on_the_server(device_client, rng, stream):
+    """A chain whose tensors all live in device buffers: nothing ships until the results are copied back."""
+    rows, cols = 16, 96
+    x, dy = rng.uniform(-2, 2, (2, rows, cols)).astype(np.float32)
+    w, b = rng.uniform(0.5, 1.5, cols).astype(np.float32), rng.uniform(-1, 1, cols).astype(np.float32)
+    c = device_client
+    big = c.malloc(4 * (4 * rows * cols + 2 * rows + 4 * cols))  # one allocation, carved by pointer offsets
+    offsets = np.cumsum([0, rows * cols, rows * cols, rows * cols, rows * cols, rows, rows, cols, cols, cols]) * 4
+    xb, yb, dyb, dxb, meanb, rstdb, wb, bb, dwb, dbb = (big + int(o) for o in offsets)
+    for host, buf in ((x, xb), (dy, dyb), (w, wb), (b, bb)):
+        c.memcpy(buf, host)
+    xd, yd, dyd, dxd = (on_device(p, (rows, cols)) for p in (xb, yb, dyb, dxb))
+    meand, rstdd = on_device(meanb, (rows, 1)), on_device(rstdb, (rows, 1))
+    wd, bd, dwd, dbd = (on_device(p, (cols,)) for p in (wb, bb, dwb, dbb))
+    c.run("aclnnLayerNorm", input=xd, normalizedShape=[cols], weightOptional=wd, biasOptional=bd, eps=1e-5,
+          out=yd, meanOutOptional=meand, rstdOutOptional=rstdd, stream=stream)  # fmt: skip
+    c.run("aclnnLayerNormBackward", gradOut=dyd, input=xd, normalizedShape=[cols], mean=meand, rstd=rstdd,
+          weightOptional=wd, biasOptional=bd, outputMask=[True, True, True], gradInputOut=dxd, gradWeightOut=dwd,
+          gradBiasOut=dbd, stream=stream)  # fmt: skip
+    c.synchronize(stream)
+    results = {}
+    for name, buf, shape in (("y", yb, (rows, cols)), ("mean", meanb, (rows, 1)), ("rstd", rstdb, (rows, 1)),
+                             ("dx", dxb, (rows, cols)), ("dw", dwb, (cols,)), ("db", dbb, (cols,))):  # fmt: skip
+        results[name] = np.empty(shape, np.float32)
+        c.memcpy(results[name], buf)
+    for name, ref in zip(("y", "mean", "rstd", "dx", "dw", "db"), layer_norm_reference(x, dy, w, b)):
+        assert_close(results[name], ref.reshape(results[name].shape), name)
+    c.free(big)
+
+
+def test_host_outputs_and_executors_on_device_inputs(device_client, rng):
+    """Inputs in device buffers, outputs in host arrays (returned as usual); and a repeatable executor
+    planned on device memory, executed on a stream after its input changed."""
+    c, rows, cols = device_client, 8, 32
+    x = rng.uniform(-2, 2, (rows, cols)).astype(np.float32)
+    xb, yb = c.malloc(x.nbytes), c.malloc(x.nbytes)
+    c.memcpy(xb, x)
+    y = np.empty_like(x)
+    c.run("aclnnRmsNorm", x=on_device(xb, x.shape), gamma=np.ones(cols, np.float32), epsilon=1e-6, yOut=y,
+          rstdOut=np.empty((rows, 1), np.float32), stream=1)  # fmt: skip
+    rms = lambda a: a / np.sqrt((a.astype(np.float64) ** 2).mean(1, keepdims=True) + 1e-6)  # noqa: E731
+    assert_close(y, rms(x), "yOut")
+    rstd = c.malloc(rows * 4)
+    params = dict(x=on_device(xb, x.shape), gamma=np.ones(cols, np.float32), epsilon=1e-6)
+    _, executor = c.get_workspace_size(
+        "aclnnRmsNorm", yOut=on_device(yb, x.shape), rstdOut=on_device(rstd, (rows, 1)), **params
+    )
+    c.set_executor_repeatable(executor)
+    for scale in (1.0, 3.0):
+        c.memcpy(xb, x * scale)
+        c.execute(executor, stream=2)
+        c.synchronize(2)
+        c.memcpy(y, yb)
+        assert_close(y, rms(x * scale), "yOut")
+    c.destroy_executor(executor)
+    for buf in (xb, yb, rstd):
+        c.free(buf)
+
+
+def test_device_bounds_are_checked_like_any_storage(device_client):
+    c = device_client
+    buf = c.malloc(64)
+    x = on_device(buf + 32, (4, 4))  # 64 bytes from byte 32 of 64
+    with pytest.raises(AclnnError) as err:
+        c.run("aclnnRmsNorm", x=x, gamma=np.ones(4, np.float32), epsilon=1e-6, yOut=np.empty((4, 4), np.float32),
+              rstdOut=np.empty((4, 1), np.float32))  # fmt: skip
+    assert (err.value.code, err.value.param) == (161002, "x")
+    misaligned = create_tensor((2,), DataType.FLOAT, (1,), 0, Format.ND, (2,), buf + 2)
+    with pytest.raises(AclnnError) as err:
+        c.run("aclnnRmsNorm", x=misaligned, gamma=np.ones(2, np.float32), epsilon=1e-6,
+              yOut=np.empty(2, np.float32), rstdOut=np.empty(1, np.float32))  # fmt: skip
+    assert (err.value.code, err.value.param) == (161002, "x")
+    c.free(buf)
+
+
+def test_free_while_queued_is_safe(device_client, rng):
+    """Freeing a buffer that queued calls still use: they finish on its memory, which goes with them."""
+    c, rows, cols = device_client, 256, 1024
+    x = rng.uniform(-2, 2, (rows, cols)).astype(np.float32)
+    xb, yb, statsb = c.malloc(x.nbytes), c.malloc(x.nbytes), c.malloc(rows * 8)
+    c.memcpy(xb, x)
+    for _ in range(4):
+        c.run("aclnnLayerNorm", input=on_device(xb, x.shape), normalizedShape=[cols], eps=1e-5,
+              out=on_device(yb, x.shape), meanOutOptional=on_device(statsb, (rows, 1)),
+              rstdOutOptional=on_device(statsb + rows * 4, (rows, 1)), stream=5)  # fmt: skip
+    c.free(xb)  # queued calls still read it
+    c.synchronize(5)
+    y = np.empty_like(x)
+    c.memcpy(y, yb)
+    assert_close(y, layer_norm_reference(x, x, np.ones(cols), np.zeros(cols))[0], "out")
+    c.free(yb)
+    c.free(statsb)
+
+
+def test_a_queued_failure_surfaces_at_synchronize_once(rng):
+    """A queued call that cannot run (its identity's buffers leave no room for its 4 MiB workspace) fails
+    on its stream: later calls there are not run, the failure surfaces once, and the stream works again."""
+    c = LocalClient("numpy", memory_budget_bytes=25 << 19)  # 12.5 MiB: 9.4 for stored tensors
+    rows, cols = 256, 4096
+    x = rng.uniform(-2, 2, (rows, cols)).astype(np.float32)
+    xb, yb, stats = c.malloc(x.nbytes), c.malloc(x.nbytes), c.malloc(rows * 8)
+    mean, rstd = on_device(stats, (rows, 1)), on_device(stats + rows * 4, (rows, 1))
+    call = dict(input=on_device(xb, x.shape), normalizedShape=[cols], eps=1e-5, out=on_device(yb, x.shape))
+    call.update(meanOutOptional=mean, rstdOutOptional=rstd)
+    filler = c.malloc(1 << 20)  # leaves 3.5 MiB
+    c.run("aclnnLayerNorm", stream=1, **call)  # queued: returns at once
+    try:
+        c.run("aclnnLayerNorm", stream=1, **call)  # the next call made on the stream, if the failure came first
+    except AclnnError as err:
+        failure = err
+    else:  # queued behind the failed call: not run, and the failure surfaces at synchronize
+        with pytest.raises(AclnnError) as err:
+            c.synchronize(1)
+        failure = err.value
+        assert "1 calls queued after it were not run" in failure.message
+    assert "queued on stream 1 failed" in failure.message and failure.code == 561101
+    c.synchronize(1)  # reported once
+    c.free(filler)
+    c.memcpy(xb, x)
+    c.run("aclnnLayerNorm", stream=1, **call)
+    c.synchronize(1)
+    y = np.empty_like(x)
+    c.memcpy(y, yb)
+    assert_close(y, layer_norm_reference(x, x, np.ones(cols), np.zeros(cols))[0], "out")
+    c.close()
+
+
+def test_buffers_are_counted_capped_and_end_with_the_session(serve):
+    served = serve(session_ttl_s=0.5, memory_budget_bytes=64 << 20, max_tenant_bytes=32 << 20)
+    engine = served.engine
+    c = Client(served.address)
+    a = c.malloc(1 << 20)
+    assert engine.ledger.held_by_kind()["buffer"] == 1 << 20
+    with pytest.raises(AclnnError) as err:  # more than the stored share of one identity can ever hold
+        c.malloc(30 << 20)
+    assert (err.value.code, err.value.param) == (161002, "size")
+    engine.buffers.max_per_identity = 2
+    c.malloc(16)
+    with pytest.raises(AclnnError) as err:
+        c.malloc(16)
+    assert err.value.grpc_code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    c.free(a)
+    # A caller that goes away without freeing (no keepalive): its session lapses and its buffers go.
+    with grpc.insecure_channel(served.address) as channel:
+        stub = pb_grpc.AclnnStub(channel)
+        stub.MallocBuffer(pb.MallocRequest(size=4096), metadata=(("x-aclnn-session", "abandoned"),))
+    assert len(engine.buffers) == 2
+    c.close()
+    for _ in range(100):
+        if not len(engine.buffers):
+            break
+        served.server.storage.reap()
+        time.sleep(0.05)
+    assert len(engine.buffers) == 0 and engine.ledger.held_by_kind().get("buffer", 0) == 0
+
+
+def test_another_session_or_a_forged_id_is_not_a_buffer(server_address):
+    with Client(server_address) as owner, Client(server_address) as other:
+        buf = owner.malloc(64)
+        owner.memcpy(buf, np.arange(16, dtype=np.float32))
+        stolen = DeviceBuffer(buf.id, buf.size, other, buf.replica)
+        forged = DeviceBuffer("0" * 32, 64, other, buf.replica)
+        for pointer in (stolen, forged):
+            with pytest.raises(AclnnError) as err:
+                other.memcpy(np.empty(16, np.float32), pointer)
+            assert err.value.code == 161002 and "unknown or freed" in err.value.message
+        with pytest.raises(AclnnError) as err:
+            other.memcpy(np.empty(16, np.float32), buf)  # refused before it leaves this process
+        assert "another client" in err.value.message

@@ -1,0 +1,325 @@
+"""native/: CANN programs built unmodified against this project's headers and libraries, run on a server.
+
+The seeds' three example programs (tests/native/examples, CANN's own sample code, byte for byte)
+and programs of our own (tests/native/programs) are compiled with `g++ -std=c++17` and the
+documented link line against an installed build of native/, run as processes against a server,
+and their printed or written results checked against the float64 oracle. Without the toolchain
+(cmake, g++, grpc++, protobuf) these tests skip, except under CI, which installs it (.ci/run).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from oracle import BF16, assert_close
+
+from aclnn_server.backends.npu.acl import APIS
+from aclnn_server.ops import OPERATORS
+from aclnn_server.params import Kind
+
+ROOT = Path(__file__).resolve().parent.parent
+NATIVE = ROOT / "native"
+BUILD = ROOT / "build" / "native"
+EXAMPLES = Path(__file__).with_name("native") / "examples"
+PROGRAMS = Path(__file__).with_name("native") / "programs"
+# The headers INTERFACE.md names: every served aclnn operator (LayerNormGrad is a graph op, without one).
+HEADERS = {
+    "aclnn_layer_norm_backward.h",
+    "aclnn_batch_norm_backward.h",
+    "aclnn_batch_norm_elemt_backward.h",
+    "aclnn_layer_norm.h",
+    "aclnn_batch_norm.h",
+    "aclnn_rms_norm.h",
+    "aclnn_rms_norm_grad.h",
+    "aclnn_group_norm.h",
+    "aclnn_group_norm_backward.h",
+    "aclnn_batch_norm_stats.h",
+    "aclnn_batch_norm_gather_stats_with_counts.h",
+    "aclnn_batch_norm_elemt.h",
+    "aclnn_batch_norm_reduce_backward.h",
+}
+
+
+def _generator():
+    spec = importlib.util.spec_from_file_location("native_generate", NATIVE / "generate.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _prototype(header: str, function: str) -> list[tuple[str, str]]:
+    """(C type, name) of each parameter of `function` in a header."""
+    match = re.search(rf"aclnnStatus {function}\((.*?)\);", header, re.S)
+    assert match, f"{function} is not declared"
+    params = []
+    for part in match.group(1).split(","):
+        ctype, name = re.fullmatch(r"\s*(.*?)\s*(\w+)\s*", part).groups()
+        params.append((" ".join(ctype.replace("*", " * ").split()), name))
+    return params
+
+
+def test_generated_headers_match_the_registry():
+    """Every aclnn operator's header declares its Signature's parameters in order, with CANN's C types,
+    and agrees with the NPU backend's independent binding of the real CANN (acl.APIS)."""
+    generate = _generator()
+    files = generate.outputs(generate.aclnn_operators())
+    headers = {Path(path).name: text for path, text in files.items() if path.startswith("include/aclnnop/")}
+    assert set(headers) == HEADERS
+    kinds = {
+        Kind.INT_ARRAY: "const aclIntArray *",
+        Kind.BOOL_ARRAY: "const aclBoolArray *",
+        Kind.BOOL: "bool",
+        Kind.INT: "int64_t",
+        Kind.DOUBLE: "double",
+    }
+    for name, operator in OPERATORS.items():
+        if not name.startswith("aclnn"):
+            continue
+        header = headers[f"aclnn_{generate.snake_name(name)}.h"]
+        declared = _prototype(header, f"{name}GetWorkspaceSize")
+        expected = [
+            (
+                ("aclTensor *" if p.output or p.inout else "const aclTensor *")
+                if p.kind is Kind.TENSOR
+                else kinds[p.kind],
+                p.name,
+            )
+            for p in operator.signature.params
+        ]
+        assert declared == [*expected, ("uint64_t *", "workspaceSize"), ("aclOpExecutor * *", "executor")], name
+        npu = [(kind, param) for kind, param in APIS[name].params]
+        assert [(p.kind.value, p.name) for p in operator.signature.params] == npu, name
+        assert _prototype(header, name) == [
+            ("void *", "workspace"),
+            ("uint64_t", "workspaceSize"),
+            ("aclOpExecutor *", "executor"),
+            ("aclrtStream", "stream"),
+        ]
+
+
+# The build ---------------------------------------------------------------------------------------------
+
+
+def _toolchain_missing() -> str | None:
+    for tool in ("cmake", "g++", "pkg-config", "protoc", "grpc_cpp_plugin"):
+        if shutil.which(tool) is None:
+            return f"{tool} is not installed"
+    if subprocess.run(["pkg-config", "--exists", "grpc++", "protobuf"], check=False).returncode:
+        return "grpc++/protobuf development files are not installed"
+    return None
+
+
+@pytest.fixture(scope="session")
+def native_prefix(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """native/ built (incrementally, in build/native) and installed into a fresh prefix."""
+    missing = _toolchain_missing()
+    if missing:
+        if os.environ.get("CI"):
+            pytest.fail(f"CI must build native/: {missing} (.ci/run installs the Debian packages)")
+        pytest.skip(f"native/ needs cmake, g++, grpc++ and protobuf: {missing}")
+    prefix = tmp_path_factory.mktemp("prefix")
+    for command in (
+        ["cmake", "-S", str(NATIVE), "-B", str(BUILD), f"-DACLNN_PYTHON={sys.executable}"],
+        ["cmake", "--build", str(BUILD), "-j2"],
+        ["cmake", "--install", str(BUILD), "--prefix", str(prefix)],
+    ):
+        done = subprocess.run(command, capture_output=True, text=True, check=False)
+        assert done.returncode == 0, f"{' '.join(command)}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    return prefix
+
+
+@pytest.fixture(scope="session")
+def compiled(native_prefix: Path, tmp_path_factory: pytest.TempPathFactory):
+    """Compiles a program as a CANN user would: g++ -std=c++17 and INTERFACE's link line."""
+    out = tmp_path_factory.mktemp("programs")
+    done: dict[Path, Path] = {}
+
+    def build(source: Path) -> Path:
+        if source not in done:
+            exe = out / source.stem
+            command = ["g++", "-std=c++17", str(source), "-I", str(native_prefix / "include"), "-L"]
+            command += [str(native_prefix / "lib64"), "-lascendcl", "-lnnopbase", "-lopapi", "-o", str(exe)]
+            result = subprocess.run(command, capture_output=True, text=True, check=False)
+            assert result.returncode == 0, result.stderr[-3000:]
+            done[source] = exe
+        return done[source]
+
+    return build
+
+
+def run_program(prefix: Path, exe: Path, address: str, *args: str, timeout: float = 60) -> str:
+    env = {**os.environ, "ACLNN_REMOTE_TARGET": address, "LD_LIBRARY_PATH": str(prefix / "lib64")}
+    done = subprocess.run([str(exe), *args], env=env, capture_output=True, text=True, timeout=timeout, check=False)
+    assert done.returncode == 0, f"{exe.name} exited {done.returncode}: {done.stdout[-2000:]}{done.stderr[-2000:]}"
+    return done.stdout
+
+
+def test_installed_headers_are_the_generated_ones(native_prefix: Path):
+    generate = _generator()
+    for path, text in generate.outputs(generate.aclnn_operators()).items():
+        if path.startswith("include/"):
+            assert (native_prefix / path).read_text() == text
+    assert {p.name for p in (native_prefix / "include" / "aclnnop").iterdir()} == HEADERS
+    assert {p.name for p in (native_prefix / "lib64").glob("*.so")} == {
+        "libascendcl.so",
+        "libnnopbase.so",
+        "libopapi.so",
+    }
+
+
+# The seeds' example programs, unmodified -------------------------------------------------------------
+
+
+def printed(output: str, label: str) -> np.ndarray:
+    """The values a program printed as `<label>[i] is: <value>`, in order."""
+    values = re.findall(rf"^{re.escape(label)}\[(\d+)\] is: (\S+)$", output, re.M)
+    assert [int(i) for i, _ in values] == list(range(len(values))), output
+    return np.array([float(v) for _, v in values], dtype=np.float32)
+
+
+def assert_printed(got: np.ndarray, ref: torch.Tensor, name: str) -> None:
+    """%f prints 6 decimals: half a unit of the last one on top of the fp32 tolerance."""
+    ref = ref.reshape(-1).numpy()
+    assert got.shape == ref.shape, (name, got, ref)
+    bound = 1e-5 + 1e-4 * np.abs(ref).max() + 5e-7
+    assert np.abs(got - ref).max() <= bound, f"{name}: printed {got}, expected {ref}"
+
+
+def f64(values, shape=None) -> torch.Tensor:
+    t = torch.tensor(values, dtype=torch.float64)
+    return t.reshape(shape) if shape is not None else t
+
+
+def test_seed_layer_norm_backward_example(native_prefix, compiled, server_address):
+    out = run_program(native_prefix, compiled(EXAMPLES / "layer_norm_backward.cpp"), server_address)
+    x = f64([2, 3, 4, 5], (2, 2))
+    dx, dw, db = torch.ops.aten.native_layer_norm_backward(
+        x.clone(), x, [2], f64([2, 3], (2, 1)), f64([4, 5], (2, 1)), f64([1, 1]), f64([0, 0]), [True, True, True]
+    )
+    assert_printed(printed(out, "out result"), dx, "gradInput")
+    assert_printed(printed(out, "dw result"), dw, "gradWeight")
+    assert_printed(printed(out, "db result"), db, "gradBias")
+
+
+def test_seed_batch_norm_backward_example(native_prefix, compiled, server_address):
+    out = run_program(native_prefix, compiled(EXAMPLES / "batch_norm_backward.cpp"), server_address)
+    x = f64(range(8), (1, 2, 4))
+    zeros, ones = f64([0, 0]), f64([1, 1])
+    dx, _, _ = torch.ops.aten.native_batch_norm_backward(
+        x.clone(), x, ones, zeros, ones, zeros, ones, True, 1e-5, [True, True, True]
+    )
+    assert_printed(printed(out, "result"), dx, "gradInput")
+
+
+def test_seed_batch_norm_elemt_backward_example(native_prefix, compiled, server_address):
+    out = run_program(native_prefix, compiled(EXAMPLES / "batch_norm_elemt_backward.cpp"), server_address)
+    dy = x = f64(range(8), (1, 2, 4))
+    mean, invstd, weight = f64([0, 0]), f64([1, 1]), f64([1, 1])
+    sum_dy, sum_dy_xmu, total = f64([0, 0]), f64([1, 1]), 10.0  # counter {5, 5}
+    per_channel = lambda t: t.reshape(1, 2, 1)  # noqa: E731
+    dx = (dy - per_channel(sum_dy) / total - (x - per_channel(mean)) * per_channel(invstd**2 * sum_dy_xmu) / total) * (
+        per_channel(invstd * weight)
+    )
+    assert_printed(printed(out, "result"), dx, "gradInput")
+
+
+# Programs of our own ------------------------------------------------------------------------------------
+
+
+def test_errors_return_the_servers_status_and_message(native_prefix, compiled, server_address):
+    out = run_program(native_prefix, compiled(PROGRAMS / "errors.cpp"), server_address)
+    cases = {line.split(" ", 2)[0]: (int(line.split(" ", 2)[1]), line.split(" ", 2)[2]) for line in out.splitlines()}
+    assert cases["null_gradOut"][0] == 161001 and "gradOut" in cases["null_gradOut"][1]
+    assert cases["bad_normalizedShape"][0] == 161002 and "normalizedShape" in cases["bad_normalizedShape"][1]
+    assert cases["host_pointer"] == (161002, "gradOut: tensor data is not device memory (a pointer from aclrtMalloc)")
+    assert cases["past_end"][0] == 161002 and cases["past_end"][1].startswith("gradOut")
+    for ok in ("ok", "launch", "synchronize", "free_null", "free"):
+        assert cases[ok] == (0, ""), ok
+    assert cases["launch_null_executor"][0] == 161001
+    invalid = 100000  # ACL_ERROR_INVALID_PARAM: nothing was sent, nothing was dereferenced
+    for refused in ("memcpy_host_as_device", "memcpy_device_as_host", "memcpy_past_end", "memcpy_count_over_destMax"):
+        assert cases[refused][0] == invalid, refused
+    assert cases["free_inside"][0] == cases["use_after_free"][0] == cases["malloc_zero"][0] == invalid
+    assert cases["set_device_1"][0] == 100007
+
+
+def layer_norm_chain(x: np.ndarray, dy: np.ndarray, iterations: int) -> list[np.ndarray]:
+    """The float64 oracle of chain.cpp: each step's y rounded to x's dtype, as stored, feeds the next."""
+    dtype, cols = x.dtype, x.shape[1]
+    w, b = torch.ones(cols, dtype=torch.float64), torch.zeros(cols, dtype=torch.float64)
+    t = lambda a: torch.from_numpy(np.asarray(a, np.float64))  # noqa: E731
+    current = x
+    for _ in range(iterations):
+        y, mean, rstd = torch.ops.aten.native_layer_norm(t(current), [cols], w, b, 1e-5)
+        mean32, rstd32 = mean.numpy().astype(np.float32), rstd.numpy().astype(np.float32)
+        dx, dw, db = torch.ops.aten.native_layer_norm_backward(
+            t(dy), t(current), [cols], t(mean32), t(rstd32), w, b, [True, True, True]
+        )
+        current = y.numpy().astype(dtype)
+    return [y, dx, dw, db]
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, BF16], ids=["fp32", "fp16", "bf16"])
+@pytest.mark.parametrize("streams", [1, 2])
+def test_chain_on_device_memory(native_prefix, compiled, server_address, tmp_path, dtype, streams):
+    """LayerNorm forward + backward, three steps each reading the last one's output, on one allocation
+    carved by pointer arithmetic; with two streams, the second reads x through a strided view."""
+    rng = np.random.default_rng(7)
+    rows, cols, iterations = 6, 40, 3
+    x = rng.uniform(-2, 2, (rows, cols)).astype(dtype)
+    dy = rng.uniform(-2, 2, (rows, cols)).astype(dtype)
+    (tmp_path / "shape").write_text(f"{rows} {cols}")
+    x.tofile(tmp_path / "x.bin")
+    dy.tofile(tmp_path / "dy.bin")
+    code = {np.dtype(np.float32): 0, np.dtype(np.float16): 1, BF16: 27}[np.dtype(dtype)]
+    exe = compiled(PROGRAMS / "chain.cpp")
+    run_program(native_prefix, exe, server_address, str(tmp_path), str(code), str(streams), str(iterations))
+    reference = layer_norm_chain(x, dy, iterations)
+    n = rows * cols
+    for s in range(streams):
+        raw = (tmp_path / f"out{s}.bin").read_bytes()
+        item = np.dtype(dtype).itemsize
+        y = np.frombuffer(raw[: n * item], dtype).reshape(rows, cols)
+        dx = np.frombuffer(raw[n * item : 2 * n * item], dtype).reshape(rows, cols)
+        dw = np.frombuffer(raw[2 * n * item : 2 * n * item + 4 * cols], np.float32)
+        db = np.frombuffer(raw[2 * n * item + 4 * cols :], np.float32)
+        for name, got, ref in zip(("y", "dx", "dw", "db"), (y, dx, dw, db), reference):
+            assert_close(got, ref, f"stream {s} {name}")
+
+
+def test_a_process_that_exits_without_freeing_leaves_nothing(native_prefix, compiled, serve):
+    served = serve(session_ttl_s=1.0)
+    out = run_program(native_prefix, compiled(PROGRAMS / "leak.cpp"), served.address)
+    assert out.strip() == "allocated 3"
+    assert len(served.engine.buffers) == 3
+    assert served.engine.ledger.held_by_kind().get("buffer", 0) >= 3 << 20
+    deadline = time.monotonic() + 10
+    while len(served.engine.buffers) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert len(served.engine.buffers) == 0
+    assert served.engine.ledger.held_by_kind().get("buffer", 0) == 0
+
+
+def test_example_sources_are_the_seeds_blocks():
+    """The examples stay CANN's sample code as published: each is the last C++ block of its seed, byte for byte."""
+    seeds = next((p / "shared" / "seeds" for p in ROOT.parents if (p / "shared" / "seeds").is_dir()), None)
+    if seeds is None:
+        pytest.skip("shared/seeds is not beside this checkout")
+    for stem, prefix in (
+        ("layer_norm_backward", "000_"),
+        ("batch_norm_backward", "001_"),
+        ("batch_norm_elemt_backward", "002_"),
+    ):
+        raw = next(seeds.glob(f"{prefix}*.txt")).read_bytes()
+        start = raw.rindex(b"```Cpp\n") + len(b"```Cpp\n")
+        assert (EXAMPLES / f"{stem}.cpp").read_bytes() == raw[start : raw.index(b"```", start)]
