@@ -29,7 +29,7 @@ from .ledger import SMALL_HOLD_BYTES, SMALL_WORKSPACE_BYTES, Hold, MemoryLedger
 from .ops import OPERATORS
 from .params import CallParams, Kind
 from .registry import Operator, Plan
-from .streams import StreamQueues
+from .streams import StreamKey, StreamQueues
 
 log = logging.getLogger("aclnn_server")
 
@@ -171,6 +171,9 @@ class Engine:
         self.executors.end_session(session)
         self.streams.end_session(session)
         self.buffers.end_session(session)
+        end_session = getattr(self.backend, "end_session", None)  # a backend that keeps per-session device state
+        if end_session is not None:
+            end_session(session)
 
     def get_workspace_size(
         self, op: str, values: Mapping[str, Value], call: CallContext | None = None
@@ -310,7 +313,7 @@ class Engine:
         self.streams.synchronize(call.owner, call.session, call.stream, call.deadline)
         synchronize = getattr(self.backend, "synchronize", None)  # a backend that launches without waiting
         if synchronize is not None:
-            synchronize(call.stream)
+            synchronize((call.owner, call.session, call.stream))
 
     @contextlib.contextmanager
     def _transfer(self, storages: list[ResidentStorage], call: CallContext) -> Iterator[None]:
@@ -388,7 +391,8 @@ class Engine:
             with self._admitted(plan, workspace_size, call, frozenset(plan.outputs)):
                 started = time.perf_counter()
                 try:
-                    native(operator, plan, {n: (s.buffer.block, s.offset) for n, s in resident.items()}, call.stream)
+                    storage = {n: (s.buffer.block, s.offset) for n, s in resident.items()}
+                    native(operator, plan, storage, _stream_key(call))
                 finally:
                     call.compute_s += time.perf_counter() - started
             return {}
@@ -549,7 +553,7 @@ class Engine:
         started = time.perf_counter()
         try:
             if getattr(self.backend, "accepts_stream", False):  # the NPU maps client streams to ACL streams
-                self.backend.compute(operator, plan, args, stream=call.stream)
+                self.backend.compute(operator, plan, args, stream=_stream_key(call))
             else:
                 self.backend.compute(operator, plan, args)
         except AclnnError:
@@ -560,6 +564,11 @@ class Engine:
         finally:
             call.compute_s += time.perf_counter() - started
         return outputs
+
+
+def _stream_key(call: CallContext) -> StreamKey | None:
+    """The client stream a backend runs a call on: (identity, session, stream id), or None without one."""
+    return None if call.stream is None else (call.owner, call.session, call.stream)
 
 
 def _value_key(value: Value) -> Hashable:

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterator
 from typing import NamedTuple
 
 import numpy as np
 import pytest
+from fake_cann.build import FakeCann, build
 
 from aclnn_client import Client
 from aclnn_server import AclnnServer, Engine, LocalClient, ServerOptions, create_server
@@ -60,6 +63,33 @@ def serve():
     yield start
     for server in started:
         server.stop(None)
+
+
+@pytest.fixture(scope="session")
+def fake(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FakeCann]:
+    """A fake CANN (tests/fake_cann), compiled once and found by the NPU backend through ACLNN_CANN_LIB_DIR."""
+    directory = build(tmp_path_factory.mktemp("fake_cann"))
+    saved = os.environ.get("ACLNN_CANN_LIB_DIR")
+    os.environ["ACLNN_CANN_LIB_DIR"] = str(directory)
+    yield FakeCann(directory)
+    if saved is None:
+        os.environ.pop("ACLNN_CANN_LIB_DIR", None)
+    else:
+        os.environ["ACLNN_CANN_LIB_DIR"] = saved
+
+
+@pytest.fixture(autouse=True)
+def no_misuse(request: pytest.FixtureRequest) -> Iterator[None]:
+    """After every test that uses the fake CANN, it saw no misuse of the API (bad pointers, unknown
+    handles, copies racing queued kernels...)."""
+    if "fake" not in request.fixturenames:
+        yield
+        return
+    fake = request.getfixturevalue("fake")
+    before = fake.misuse[0]
+    yield
+    count, last = fake.misuse
+    assert count == before, f"CANN API misuse: {last}"
 
 
 @pytest.fixture

@@ -49,6 +49,7 @@ class FakeCann:
             ("fake_calls", L, [s]),
             ("fake_fail_next", None, [s, ctypes.c_int]),
             ("fake_fail_times", None, [s, ctypes.c_int, ctypes.c_int]),
+            ("fake_queued", L, []),
             ("fake_misuse_count", L, []),
             ("fake_misuse_last", s, []),
             ("fake_log_read", ctypes.c_size_t, [ctypes.c_char_p, ctypes.c_size_t]),
@@ -69,6 +70,10 @@ class FakeCann:
 
     def fail_next(self, function: str, code: int, times: int = 1) -> None:
         self.lib.fake_fail_times(function.encode(), code, times)
+
+    def queued(self) -> int:
+        """Kernels launched on some stream and not yet run (they run when their stream is synchronized)."""
+        return self.lib.fake_queued()
 
     @property
     def misuse(self) -> tuple[int, str]:

@@ -2,7 +2,7 @@
  * A fake CANN for tests on machines without an Ascend NPU.
  *
  * It exports the subset of CANN's documented C API that aclnn-serve's NPU backend binds
- * (libascendcl: aclInit .. aclrtMemcpy; libopapi: aclCreateTensor .. aclnnX), with the
+ * (libascendcl: aclInit .. aclrtMemcpy, aclrtMemset; libopapi: aclCreateTensor .. aclnnX), with the
  * same signatures and the behaviour a caller can observe:
  *
  *   - "device" memory is host memory from posix_memalign, tracked in an allocation table;
@@ -11,7 +11,10 @@
  *     (aclrtSetDevice / aclrtCreateContext / aclrtSetCurrentContext), as on the NPU;
  *   - aclnnX(...) only queues the kernel on the stream; it runs at aclrtSynchronizeStream
  *     (or aclrtDestroyStream), in FIFO order per stream, so a caller that copies results
- *     back before synchronizing reads stale memory, as it would on the device;
+ *     back before synchronizing reads stale memory, as it would on the device; and
+ *     aclrtMemcpy / aclrtMemset / aclrtFree of device memory that a kernel still queued on
+ *     any stream addresses (its tensors' storage or its workspace) is counted as misuse
+ *     (a data race on the device);
  *   - executors are single-use unless aclSetAclOpExecutorRepeatable was called (then they
  *     live until aclDestroyAclOpExecutor); a launch checks the workspace it is given;
  *   - aclnnLayerNormBackward, aclnnBatchNormBackward, aclnnBatchNormElemtBackward, aclnnLayerNorm,
@@ -22,8 +25,11 @@
  *     other dtypes get ACLNN_ERR_INNER_FIND_KERNEL_ERROR (561003).
  *
  * Test hooks (not CANN API, prefixed fake_): counters of created / destroyed objects,
- * per-function call counts, a text call log, a misuse counter, and one-shot injected
- * failures (fake_fail_next, or FAKE_CANN_FAIL="function:code[,function:code]" at aclInit).
+ * per-function call counts, a text call log, a misuse counter, the number of kernels queued
+ * and not yet run (fake_queued), and one-shot injected failures (fake_fail_next, or
+ * FAKE_CANN_FAIL="function:code[,function:code]" at aclInit). A kernel's execution counts as a
+ * call of "kernel:aclnnX": injecting a failure there makes that kernel fail while it runs (the
+ * stream's synchronize returns the code), as a device fault does.
  */
 #include <math.h>
 #include <pthread.h>
@@ -386,9 +392,12 @@ static aclError drain(Stream *s, bool abort) {
         Task *t = s->head;
         s->head = t->next;
         if (!s->head) s->tail = NULL;
-        aclnnStatus st = abort ? ACL_ERROR_RT_INTERNAL_ERROR : run_kernel(t->ex, t->ws);
+        char fn[112];
+        snprintf(fn, sizeof fn, "kernel:%s", op_names[t->ex->op]);
+        int fault = abort ? 0 : enter(fn); /* an injected device fault: the kernel fails while it runs */
+        aclnnStatus st = abort ? ACL_ERROR_RT_INTERNAL_ERROR : fault ? fault : run_kernel(t->ex, t->ws);
         logf_locked("kernel %s executor=%ld stream=%ld -> %d", op_names[t->ex->op], t->ex->id, s->id, st);
-        if (st && !rc) rc = ACL_ERROR_RT_INTERNAL_ERROR;
+        if (st && !rc) rc = fault ? fault : ACL_ERROR_RT_INTERNAL_ERROR;
         t->ex->pending--;
         if (t->ex->pending == 0 && (!t->ex->repeatable || t->ex->destroy_when_idle)) free_executor(t->ex);
         free(t);
@@ -426,6 +435,9 @@ EXPORT aclError aclrtDestroyStream(aclrtStream stream) {
     return rc;
 }
 
+/* Does a kernel queued on some stream, not yet run, address device memory in [p, p+n)? Caller holds mu. */
+static bool queued_use(const void *p, size_t n);
+
 EXPORT aclError aclrtMalloc(void **devPtr, size_t size, int policy) {
     pthread_mutex_lock(&mu);
     aclError rc = enter("aclrtMalloc");
@@ -454,6 +466,7 @@ EXPORT aclError aclrtFree(void *devPtr) {
     if (!rc) rc = runtime_ready("aclrtFree");
     long i = rc ? -1 : find_alloc(devPtr);
     if (!rc && (i < 0 || allocs[i].ptr != devPtr)) { misuse("aclrtFree of %p, not a device allocation", devPtr); rc = ACL_ERROR_INVALID_PARAM; }
+    if (!rc && queued_use(allocs[i].ptr, allocs[i].size)) { misuse("aclrtFree of memory a queued kernel uses"); rc = ACL_ERROR_INVALID_PARAM; }
     if (!rc) {
         logf_locked("aclrtFree size=%zu", allocs[i].size);
         free(allocs[i].ptr);
@@ -476,9 +489,25 @@ EXPORT aclError aclrtMemcpy(void *dst, size_t destMax, const void *src, size_t c
         else if (src_dev && !device_span(src, count)) { misuse("aclrtMemcpy kind %d: src not device memory", kind); rc = ACL_ERROR_INVALID_PARAM; }
         else if (!dst_dev && find_alloc(dst) >= 0) { misuse("aclrtMemcpy kind %d: dst is device memory", kind); rc = ACL_ERROR_INVALID_PARAM; }
         else if (!src_dev && find_alloc(src) >= 0) { misuse("aclrtMemcpy kind %d: src is device memory", kind); rc = ACL_ERROR_INVALID_PARAM; }
-        else memcpy(dst, src, count);
+        else if ((dst_dev && queued_use(dst, count)) || (src_dev && queued_use(src, count))) {
+            misuse("aclrtMemcpy kind %d of device memory a queued kernel uses", kind);
+            rc = ACL_ERROR_INVALID_PARAM;
+        } else memcpy(dst, src, count);
     }
     logf_locked("aclrtMemcpy kind=%d count=%zu -> %d", kind, count, rc);
+    pthread_mutex_unlock(&mu);
+    return rc;
+}
+
+EXPORT aclError aclrtMemset(void *devPtr, size_t maxCount, int32_t value, size_t count) {
+    pthread_mutex_lock(&mu);
+    aclError rc = enter("aclrtMemset");
+    if (!rc) rc = runtime_ready("aclrtMemset");
+    if (!rc && count > maxCount) { misuse("aclrtMemset count %zu > maxCount %zu", count, maxCount); rc = ACL_ERROR_INVALID_PARAM; }
+    if (!rc && !device_span(devPtr, count)) { misuse("aclrtMemset of memory that is not device memory"); rc = ACL_ERROR_INVALID_PARAM; }
+    if (!rc && queued_use(devPtr, count)) { misuse("aclrtMemset of device memory a queued kernel uses"); rc = ACL_ERROR_INVALID_PARAM; }
+    if (!rc) memset(devPtr, value, count);
+    logf_locked("aclrtMemset count=%zu value=%d -> %d", count, (int)value, rc);
     pthread_mutex_unlock(&mu);
     return rc;
 }
@@ -1049,6 +1078,27 @@ static uint64_t required_workspace(const aclOpExecutor *ex) {
     return x->ndim >= 2 ? (uint64_t)(3 * x->dims[1] * sizeof(double)) : 0;
 }
 
+static bool overlaps(const char *lo, const char *hi, const void *p, size_t n) {
+    return n && lo < (const char *)p + n && (const char *)p < hi;
+}
+
+static bool queued_use(const void *p, size_t n) {
+    const char *lo = p, *hi = lo + n;
+    if (!n) return false;
+    for (int i = 0; i < MAX_OBJS; i++)
+        for (Task *t = streams[i] ? streams[i]->head : NULL; t; t = t->next) {
+            const aclOpExecutor *ex = t->ex;
+            if (ex->workspace && overlaps(lo, hi, t->ws, ex->workspace)) return true;
+            for (int k = 0; k < n_slots[ex->op]; k++) {
+                const aclTensor *x = &ex->t[k];
+                int64_t storage = 1;
+                for (uint64_t d = 0; d < x->sndim; d++) storage *= x->sdims[d];
+                if (ex->has[k] && x->data && overlaps(lo, hi, x->data, (size_t)storage * itemsize(x->dtype))) return true;
+            }
+        }
+    return false;
+}
+
 static aclnnStatus run_kernel(aclOpExecutor *ex, void *ws) {
     for (int k = 0; k < n_slots[ex->op]; k++)
         if (ex->has[k] && !tensor_on_device(&ex->t[k])) {
@@ -1431,6 +1481,16 @@ EXPORT void fake_fail_times(const char *function, int code, int times) {
 
 /* The next call of `function` returns `code`. */
 EXPORT void fake_fail_next(const char *function, int code) { fake_fail_times(function, code, 1); }
+
+/* Kernels queued on any stream and not yet run. */
+EXPORT long fake_queued(void) {
+    pthread_mutex_lock(&mu);
+    long n = 0;
+    for (int i = 0; i < MAX_OBJS; i++)
+        for (Task *t = streams[i] ? streams[i]->head : NULL; t; t = t->next) n++;
+    pthread_mutex_unlock(&mu);
+    return n;
+}
 
 EXPORT long fake_misuse_count(void) { return misuse_count; }
 EXPORT const char *fake_misuse_last(void) { return misuse_last; }

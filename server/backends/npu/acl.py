@@ -229,6 +229,7 @@ class Acl:
         self.aclrtMalloc = self._fn(rt, "aclrtMalloc", i, _pp, ctypes.c_size_t, ctypes.c_int)
         self.aclrtFree = self._fn(rt, "aclrtFree", i, _p)
         self.aclrtMemcpy = self._fn(rt, "aclrtMemcpy", i, _p, ctypes.c_size_t, _p, ctypes.c_size_t, ctypes.c_int)
+        self.aclrtMemset = self._fn(rt, "aclrtMemset", i, _p, ctypes.c_size_t, ctypes.c_int32, ctypes.c_size_t)
         self.aclGetRecentErrMsg = self._fn(rt, "aclGetRecentErrMsg", ctypes.c_char_p)
         self.aclCreateTensor = self._fn(
             op, "aclCreateTensor", _p, _i64p, ctypes.c_uint64, i, _i64p, ctypes.c_int64, i, _i64p, ctypes.c_uint64, _p
@@ -318,6 +319,9 @@ class Acl:
 
     def memcpy(self, dst: int, src: int, count: int, kind: int) -> None:
         self.check_runtime(self.aclrtMemcpy(dst, count, src, count, kind), f"aclrtMemcpy(kind {kind})")
+
+    def memset(self, ptr: int, count: int, value: int) -> None:
+        self.check_runtime(self.aclrtMemset(ptr, count, value, count), "aclrtMemset")
 
     # ------------------------------------------------------------------ opapi objects
 

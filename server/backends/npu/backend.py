@@ -49,12 +49,12 @@ error code and message (see acl.py).
 
 from __future__ import annotations
 
-import itertools
+import functools
 import logging
 import threading
 import weakref
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,7 +64,10 @@ from aclnn_common.errors import AclnnError, Status
 
 from ...descriptors import TensorDesc
 from ...registry import Operator, Plan
+from ...streams import StreamKey
 from .acl import ACL_MEMCPY_DEVICE_TO_HOST, ACL_MEMCPY_HOST_TO_DEVICE, APIS, Acl, AclnnApi
+from .memory import NpuMemory
+from .streams import MAX_STREAMS, MAX_STREAMS_PER_IDENTITY, AclStream, DeviceBlock, StreamPool
 
 log = logging.getLogger("aclnn_server.npu")
 
@@ -171,6 +174,17 @@ def output_layout(desc: TensorDesc) -> DeviceLayout:
     return DeviceLayout(desc.shape, contiguous_strides(desc.shape), desc.shape, desc.numel * desc.dtype.itemsize)
 
 
+def resident_layout(desc: TensorDesc) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Strides and storage dims of a tensor in a device buffer: the client's strides (row-major ones
+    for size-1 dims, which address nothing) over storage of its element count, or of its shape when
+    it is exactly that."""
+    contiguous = contiguous_strides(desc.shape)
+    strides = tuple(s if d > 1 else c for d, s, c in zip(desc.shape, desc.strides, contiguous))
+    if strides == contiguous and desc.offset == 0 and desc.storage_size == desc.numel:
+        return strides, desc.shape
+    return strides, (desc.storage_size,)
+
+
 def contiguous_strides(shape: Sequence[int], keep_unit: bool = True) -> tuple[int, ...]:
     """Row-major strides; with keep_unit=False, size-1 dims get 0 (they address nothing)."""
     strides, step = [], 1
@@ -178,12 +192,6 @@ def contiguous_strides(shape: Sequence[int], keep_unit: bool = True) -> tuple[in
         strides.append(step if keep_unit or d > 1 else 0)
         step *= d
     return tuple(reversed(strides))
-
-
-@dataclass
-class _Stream:
-    handle: int
-    lock: threading.Lock = field(default_factory=threading.Lock)
 
 
 @dataclass
@@ -224,33 +232,40 @@ class _AclRuntime:
 
 
 class NpuBackend:
-    """The aclnn operators on NPU `device`; LayerNormGrad on the NumPy reference."""
+    """The aclnn operators on NPU `device`; LayerNormGrad on the NumPy reference.
+
+    `streams` ACL streams are made at start, up to `max_streams` as client streams need them, at
+    most `max_streams_per_identity` lent to one identity's client streams (see streams.py).
+    """
 
     name = "npu"
-    accepts_stream = True  # compute(..., stream=<client stream id>) maps ids onto the ACL stream pool
+    accepts_stream = True  # compute(..., stream=<client stream key>) runs on the ACL stream lent to it
 
-    def __init__(self, device: int = 0, streams: int = 4) -> None:
+    def __init__(
+        self,
+        device: int = 0,
+        streams: int = 4,
+        max_streams: int = MAX_STREAMS,
+        max_streams_per_identity: int = MAX_STREAMS_PER_IDENTITY,
+    ) -> None:
         self.device = device
         self.acl = Acl()  # RuntimeError with the search path when CANN is missing
         self._closed = True
         self._lock = threading.RLock()
         self._prepared: dict[int, _Prepared] = {}
         self._fallback_logged: set[str] = set()
-        self._round_robin = itertools.count()
         self._context: int | None = None
-        self._streams: list[_Stream] = []
         self._device_set = False
+        self.allocator = CachingAllocator(self.acl)
         _AclRuntime.acquire(self.acl)
         try:
             self.acl.set_device(device)
             self._device_set = True
             self._context = self.acl.create_context(device)
-            for _ in range(max(1, streams)):
-                self._streams.append(_Stream(self.acl.create_stream()))
+            self.streams = StreamPool(self.acl, self.allocator.free, streams, max_streams, max_streams_per_identity)
         except AclnnError as exc:
             self._release_runtime()
             raise RuntimeError(f"NPU device {device} is not usable: {exc.message}") from exc
-        self.allocator = CachingAllocator(self.acl)
         self._closed = False
 
     # ------------------------------------------------------------------ Backend protocol
@@ -273,22 +288,74 @@ class NpuBackend:
         finally:
             self._destroy(prepared)
 
-    def compute(self, operator: Operator, plan: Plan, args: dict[str, Any], stream: int | None = None) -> None:
-        """Runs one call; `stream` (a client stream id) picks the ACL stream: same id, same stream."""
+    def compute(self, operator: Operator, plan: Plan, args: dict[str, Any], stream: StreamKey | None = None) -> None:
+        """Runs one call on host arrays and waits for it: on the ACL stream lent to the client stream
+        `stream` (after the work queued there, whose failure it reports), or on an idle one."""
         api = APIS.get(operator.name)
         if api is None:
             self._fallback(operator, args)
             return
-        slot = self._stream(stream)
-        with slot.lock:
-            self._enter()
+        self._enter()
+        with self.streams.lend(stream) as acl_stream:
             prepared = self._prepare(api, plan, args)
             with prepared.lock:
                 try:
-                    self._run(prepared, args, slot)
+                    self._run(prepared, args, acl_stream)
                 except BaseException:
                     self._discard(plan)  # after a failed launch or stream, start afresh next time
                     raise
+
+    def compute_resident(
+        self,
+        operator: Operator,
+        plan: Plan,
+        resident: Mapping[str, tuple[DeviceBlock, int]],
+        stream: StreamKey | None,
+    ) -> None:
+        """Runs a call whose tensors all live in device buffers ((block, byte offset) each) over that
+        memory, copying nothing. On a client stream it is queued on the stream's ACL stream and not
+        waited for; without one it waits, after the work queued on its buffers (as CANN's default stream)."""
+        api = APIS[operator.name]
+        blocks = {block for block, _ in resident.values()}
+        self._enter()
+        if stream is None:
+            self.streams.quiesce(blocks)
+        with self.streams.lend(stream) as acl_stream:
+            launch, workspace = _Prepared(api), None
+            try:
+                parameters = self._create_parameters(launch, plan, plan.values, data=False, resident=resident)
+                launch.workspace_size, launch.executor = self.acl.get_workspace_size(api.name, parameters)
+                self.acl.set_repeatable(launch.executor)  # destroyed explicitly, once it has run
+                if launch.workspace_size > 0:
+                    workspace = self.allocator.alloc(launch.workspace_size)
+                self.acl.launch(api.name, workspace, launch.workspace_size, launch.executor, acl_stream.handle)
+            except BaseException:
+                self._release_launch(launch, workspace)
+                raise
+            release = functools.partial(self._release_launch, launch, workspace)
+            if stream is not None:
+                self.streams.launched(acl_stream, blocks, [release])
+                return
+            try:
+                self.streams.finish(acl_stream)
+            finally:
+                release()
+
+    def synchronize(self, stream: StreamKey) -> None:
+        """Waits for the launches queued on a client stream (every stream of its session when its id is
+        None) and raises the first failure among them, once."""
+        self._enter()
+        self.streams.synchronize(*stream)
+
+    def end_session(self, session: str) -> None:
+        """A client session ended: its queued launches are waited for and its ACL streams unbound."""
+        if not self._closed:
+            self._enter()
+            self.streams.end_session(session)
+
+    def device_memory(self) -> NpuMemory:
+        """Device buffers in NPU memory from the caching allocator (see memory.py)."""
+        return NpuMemory(self.acl, self.allocator.alloc, self.streams, self._enter)
 
     def close(self) -> None:
         """Releases executors, device memory, streams, the context and the device; idempotent."""
@@ -299,13 +366,10 @@ class NpuBackend:
             prepared = list(self._prepared.values())
             self._prepared.clear()
         self.acl.set_current_context(self._context)
+        self.streams.close()  # waits for queued launches and releases what they used
         for p in prepared:
             p.finalizer.detach()
             self._destroy(p)
-        for s in self._streams:
-            with s.lock:
-                self.acl.destroy_stream(s.handle)
-        self._streams.clear()
         self.allocator.close()
         self._release_runtime()
 
@@ -332,10 +396,6 @@ class NpuBackend:
         if self._closed:
             raise AclnnError(Status.RUNTIME_ERROR, "the NPU backend is closed")
         self.acl.set_current_context(self._context)
-
-    def _stream(self, stream: int | None) -> _Stream:
-        index = next(self._round_robin) if stream is None else stream
-        return self._streams[index % len(self._streams)]
 
     def _fallback(self, operator: Operator, args: dict[str, Any]) -> None:
         if operator.name not in self._fallback_logged:
@@ -386,11 +446,21 @@ class NpuBackend:
         except Exception:  # called from garbage collection: log, never raise
             log.exception("releasing an NPU executor failed")
 
-    def _create_parameters(self, prepared: _Prepared, plan: Plan, values: dict[str, Any], data: bool) -> list[Any]:
-        """The aclnn call's arguments in CANN order; device buffers too when `data`."""
+    def _create_parameters(
+        self,
+        prepared: _Prepared,
+        plan: Plan,
+        values: Mapping[str, Any],
+        data: bool,
+        resident: Mapping[str, tuple[DeviceBlock, int]] | None = None,
+    ) -> list[Any]:
+        """The aclnn call's arguments in CANN order; device buffers too when `data`; the `resident`
+        tensors over their device buffers."""
         out: list[Any] = []
         for kind, name in prepared.api.params:
-            if kind == "tensor":
+            if kind == "tensor" and resident and name in resident:
+                out.append(self._create_resident_tensor(prepared, plan, name, *resident[name]))
+            elif kind == "tensor":
                 out.append(self._create_tensor(prepared, plan, name, data))
             elif kind == "int_array":
                 out.append(self._array(prepared, kind, self.acl.create_int_array(list(values[name]))))
@@ -434,6 +504,18 @@ class NpuBackend:
         prepared.tensors.append(handle)
         return handle
 
+    def _create_resident_tensor(
+        self, prepared: _Prepared, plan: Plan, name: str, block: DeviceBlock, offset: int
+    ) -> int:
+        """A tensor over its device buffer as the client described it (in/out ones updated there in place)."""
+        desc = plan.outputs.get(name) or plan.inputs[name]
+        strides, storage_dims = resident_layout(desc)
+        handle = self.acl.create_tensor(
+            desc.shape, desc.data_type, strides, desc.offset, desc.format, storage_dims, block.ptr + offset
+        )
+        prepared.tensors.append(handle)
+        return handle
+
     def _create_inout_tensor(self, prepared: _Prepared, plan: Plan, name: str, data: bool) -> int:
         """The engine's result array holds the current values: uploaded, updated in place, copied back."""
         desc = plan.outputs[name]
@@ -456,12 +538,12 @@ class NpuBackend:
             host = view.__array_interface__["data"][0]  # the first addressed element
             self.acl.memcpy(ptr, host, nbytes, ACL_MEMCPY_HOST_TO_DEVICE)
 
-    def _run(self, prepared: _Prepared, args: dict[str, Any], slot: _Stream) -> None:
+    def _run(self, prepared: _Prepared, args: dict[str, Any], stream: AclStream) -> None:
         self._upload(prepared, args)
         workspace = self.allocator.alloc(prepared.workspace_size) if prepared.workspace_size > 0 else None
         try:
-            self.acl.launch(prepared.api.name, workspace, prepared.workspace_size, prepared.executor, slot.handle)
-            self.acl.synchronize(slot.handle)
+            self.acl.launch(prepared.api.name, workspace, prepared.workspace_size, prepared.executor, stream.handle)
+            self.streams.finish(stream)
         finally:
             if workspace is not None:
                 self.allocator.free(workspace)
@@ -470,6 +552,12 @@ class NpuBackend:
             if result.nbytes != nbytes or not result.flags.c_contiguous:
                 raise AclnnError(Status.INNER, f"{name}: result array does not match its device buffer")
             self.acl.memcpy(result.ctypes.data, ptr, nbytes, ACL_MEMCPY_DEVICE_TO_HOST)
+
+    def _release_launch(self, launch: _Prepared, workspace: int | None) -> None:
+        """What one launch over device buffers used: its executor, tensors and arrays, and its workspace."""
+        self._destroy(launch)
+        if workspace is not None:
+            self.allocator.free(workspace)
 
     def _destroy(self, prepared: _Prepared) -> None:
         """Destroys the executor, tensors and arrays; returns the buffers to the allocator."""
