@@ -12,6 +12,7 @@ from fake_cann.build import FakeCann, build
 
 from aclnn_client import Client
 from aclnn_server import AclnnServer, Engine, LocalClient, ServerOptions, create_server
+from aclnn_server.backends.npu import NpuBackend
 
 # Backends every conformance test runs on; a new backend joins the suite by being listed here.
 BACKENDS = ("numpy", "cpu")
@@ -90,6 +91,23 @@ def no_misuse(request: pytest.FixtureRequest) -> Iterator[None]:
     yield
     count, last = fake.misuse
     assert count == before, f"CANN API misuse: {last}"
+
+
+@pytest.fixture(scope="module")
+def npu_backend(fake: FakeCann) -> Iterator[NpuBackend]:
+    """An NPU backend on the fake CANN, for one test module."""
+    backend = NpuBackend(0)
+    yield backend
+    backend.close()
+
+
+@pytest.fixture(scope="module")
+def npu_address(npu_backend: NpuBackend) -> Iterator[str]:
+    """A gRPC server whose engine computes on `npu_backend`."""
+    server, port, _ = create_server(ServerOptions(host="127.0.0.1", port=0), engine=Engine(npu_backend))
+    server.start()
+    yield f"127.0.0.1:{port}"
+    server.stop(None).wait()
 
 
 @pytest.fixture

@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import gc
 import logging
-import os
 from collections.abc import Callable
 
 import numpy as np
@@ -23,7 +22,6 @@ import test_layer_norm_forward
 import test_rms_norm
 import test_sync_batch_norm
 from batch_norm_forward_cases import check, forward_call, forward_reference, snapshot
-from fake_cann.build import FakeCann, build
 from group_norm_cases import group_norm_backward_call, group_norm_call
 from layer_norm_forward_cases import layer_norm_forward_call
 from oracle import BF16, assert_close
@@ -39,7 +37,6 @@ from sync_batch_norm_cases import (
 )
 
 from aclnn_server import LocalClient
-from aclnn_server.backends.npu import NpuBackend
 from aclnn_server.backends.torch_backend import TorchBackend
 from aclnn_server.ops import OPERATORS
 
@@ -115,25 +112,6 @@ def no_reference(monkeypatch):
 def torch_client():
     with LocalClient(TorchBackend("cpu")) as c:
         yield c
-
-
-@pytest.fixture(scope="module")
-def fake(tmp_path_factory: pytest.TempPathFactory):
-    directory = build(tmp_path_factory.mktemp("fake_cann"))
-    saved = os.environ.get("ACLNN_CANN_LIB_DIR")
-    os.environ["ACLNN_CANN_LIB_DIR"] = str(directory)
-    yield FakeCann(directory)
-    if saved is None:
-        os.environ.pop("ACLNN_CANN_LIB_DIR", None)
-    else:
-        os.environ["ACLNN_CANN_LIB_DIR"] = saved
-
-
-@pytest.fixture(scope="module")
-def npu_backend(fake):
-    backend = NpuBackend(0)
-    yield backend
-    backend.close()
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -25,7 +25,7 @@ from layer_norm_cases import layer_norm_call, layer_norm_reference
 from oracle import Untouched, assert_close
 
 from aclnn_client import AclnnError, Client
-from aclnn_server import Engine, LocalClient, ServerOptions, create_server
+from aclnn_server import LocalClient
 from aclnn_server.backends.npu import CachingAllocator, NpuBackend
 
 OP = "aclnnLayerNormBackward"
@@ -37,31 +37,21 @@ collect_into(globals())
 
 
 @pytest.fixture(scope="module")
-def local_backend(fake):
-    backend = NpuBackend(0)
-    yield backend
-    backend.close()
-
-
-@pytest.fixture(scope="module")
-def server_address(fake):
-    engine = Engine(NpuBackend(0))
-    server, port, _ = create_server(ServerOptions(host="127.0.0.1", port=0), engine=engine)
-    server.start()
-    yield f"127.0.0.1:{port}"
-    server.stop(None).wait()
+def server_address(npu_address: str) -> str:
+    """The conformance suites' server: conftest's, on the NPU backend."""
+    return npu_address
 
 
 @pytest.fixture(params=["grpc", "local"])
-def client(request: pytest.FixtureRequest, fake, local_backend):
-    c = Client(request.getfixturevalue("server_address")) if request.param == "grpc" else LocalClient(local_backend)
+def client(request: pytest.FixtureRequest, fake, npu_backend):
+    c = Client(request.getfixturevalue("server_address")) if request.param == "grpc" else LocalClient(npu_backend)
     yield c
     c.close()
 
 
 @pytest.fixture
-def local(fake, local_backend):
-    return LocalClient(local_backend)
+def local(fake, npu_backend):
+    return LocalClient(npu_backend)
 
 
 def check_ln(p: dict) -> None:
@@ -101,10 +91,10 @@ def test_call_sequence(fake, local, rng):
     index(log, r"^aclDestroyAclOpExecutor", copy_back)
 
 
-def test_workspace_allocated_only_when_cann_asks(fake, local, local_backend, rng, monkeypatch):
+def test_workspace_allocated_only_when_cann_asks(fake, local, npu_backend, rng, monkeypatch):
     sizes: list[int] = []
-    alloc = local_backend.allocator.alloc
-    monkeypatch.setattr(local_backend.allocator, "alloc", lambda n: sizes.append(n) or alloc(n))
+    alloc = npu_backend.allocator.alloc
+    monkeypatch.setattr(npu_backend.allocator, "alloc", lambda n: sizes.append(n) or alloc(n))
     p = layer_norm_call(rng, (5, 12), mask=(True, False, False))
     workspace_size, executor = local.get_workspace_size(OP, **p)
     assert workspace_size == 0  # the fake needs no scratch without parameter gradients
@@ -150,7 +140,7 @@ def test_aclnn_status_passes_through(fake, client, rng):
     check_ln(p)
 
 
-def test_acl_runtime_failure_is_361001(fake, client, local_backend, rng):
+def test_acl_runtime_failure_is_361001(fake, client, npu_backend, rng):
     p = layer_norm_call(rng, (4, 6))
     untouched = Untouched(*(p[n] for n in LN_OUTPUTS))
     fake.fail_next("aclrtSynchronizeStream", 507035)  # once is enough: a device failure is not replayed
@@ -160,22 +150,22 @@ def test_acl_runtime_failure_is_361001(fake, client, local_backend, rng):
     assert "aclrtSynchronizeStream" in err.value.message and "507035" in err.value.message
     assert "injected failure" in err.value.message  # aclGetRecentErrMsg's text travels
     untouched.check()
-    local_backend.allocator.empty_cache()
+    npu_backend.allocator.empty_cache()
     fake.fail_next("aclrtMalloc", 207001)
     with pytest.raises(AclnnError) as err:
-        LocalClient(local_backend).run(OP, **p)
+        LocalClient(npu_backend).run(OP, **p)
     assert err.value.code == 361001 and "aclrtMalloc" in err.value.message
     client.run(OP, **p)
     check_ln(p)
 
 
-def test_allocator_retries_after_emptying_its_cache(fake, local, local_backend, rng):
+def test_allocator_retries_after_emptying_its_cache(fake, local, npu_backend, rng):
     local.run(OP, **layer_norm_call(rng, (8, 32)))  # leaves blocks in the cache
-    assert local_backend.allocator.cached_bytes > 0
+    assert npu_backend.allocator.cached_bytes > 0
     fake.fail_next("aclrtMalloc", 207001)
-    ptr = local_backend.allocator.alloc(3 << 20)  # not cached: malloc fails, cache freed, retried
-    assert local_backend.allocator.cached_bytes == 0
-    local_backend.allocator.free(ptr)
+    ptr = npu_backend.allocator.alloc(3 << 20)  # not cached: malloc fails, cache freed, retried
+    assert npu_backend.allocator.cached_bytes == 0
+    npu_backend.allocator.free(ptr)
 
 
 def test_size_classes():
@@ -346,11 +336,11 @@ def test_unusable_device_is_a_clear_error(fake):
     assert fake.snapshot() == before
 
 
-def test_layer_norm_grad_runs_on_the_reference_logged_once(fake, local, local_backend, rng, caplog):
+def test_layer_norm_grad_runs_on_the_reference_logged_once(fake, local, npu_backend, rng, caplog):
     import test_layer_norm_grad as suite
 
-    local_backend._fallback_logged.discard("LayerNormGrad")
-    assert not local_backend.supports("LayerNormGrad") and local_backend.supports(OP)
+    npu_backend._fallback_logged.discard("LayerNormGrad")
+    assert not npu_backend.supports("LayerNormGrad") and npu_backend.supports(OP)
     calls = fake.calls("aclnnLayerNormBackwardGetWorkspaceSize")
     with caplog.at_level(logging.WARNING, logger="aclnn_server.npu"):
         for _ in range(2):

@@ -40,27 +40,12 @@ for _name in (
     globals()[_name] = getattr(suite, _name)
 
 
-@pytest.fixture(scope="module")
-def npu(fake):
-    backend = NpuBackend(0)
-    yield backend
-    backend.close()
-
-
-@pytest.fixture(scope="module")
-def server_address(npu):
-    server, port, _ = create_server(ServerOptions(host="127.0.0.1", port=0), engine=Engine(npu))
-    server.start()
-    yield f"127.0.0.1:{port}"
-    server.stop(None).wait()
-
-
 @pytest.fixture(params=["grpc", "data-channel", "local"])
-def device_client(request: pytest.FixtureRequest, npu):
+def device_client(request: pytest.FixtureRequest, npu_backend):
     if request.param == "local":
-        c = LocalClient(npu)
+        c = LocalClient(npu_backend)
     else:
-        c = Client(request.getfixturevalue("server_address"), data_channel=request.param == "data-channel")
+        c = Client(request.getfixturevalue("npu_address"), data_channel=request.param == "data-channel")
     yield c
     c.close()
 
@@ -126,20 +111,21 @@ def in_use(backend: NpuBackend) -> int:
     return backend.allocator.reserved_bytes - backend.allocator.cached_bytes
 
 
-def test_a_chain_on_device_memory_copies_nothing_and_never_waits(fake, npu, rng):
+def test_a_chain_on_device_memory_copies_nothing_and_never_waits(fake, npu_backend, rng):
     """Launches over the buffers' own memory, all queued before anything synchronizes; one synchronize runs them."""
-    c = LocalClient(npu)
+    c = LocalClient(npu_backend)
     x = rng.uniform(-2, 2, (ROWS, COLS)).astype(np.float32)
     ln = LayerNormOnDevice(c, x)
     copies, syncs, launched = fake.calls("aclrtMemcpy"), fake.calls("aclrtSynchronizeStream"), fake.calls(LN)
+    queued = fake.queued()
     fake.clear_log()
     for _ in range(5):
         ln.run(stream=1)
     wait_for_launches(fake, launched + 5)
-    assert fake.queued() == 5  # launched, none run: nobody waited for them
+    assert fake.queued() == queued + 5  # launched, none run: nobody waited for them
     assert fake.calls("aclrtMemcpy") == copies and fake.calls("aclrtSynchronizeStream") == syncs
     c.synchronize(1)
-    assert fake.queued() == 0 and fake.calls("aclrtSynchronizeStream") == syncs + 1
+    assert fake.queued() == queued and fake.calls("aclrtSynchronizeStream") == syncs + 1
     log = fake.log()
     assert len(set(launches(fake))) == 1  # one ACL stream, in submission order
     first_sync = next(i for i, line in enumerate(log) if line.startswith("aclrtSynchronizeStream"))
@@ -152,9 +138,9 @@ def test_a_chain_on_device_memory_copies_nothing_and_never_waits(fake, npu, rng)
     c.close()
 
 
-def test_transfers_wait_for_the_launches_queued_on_their_buffers(fake, npu, rng):
+def test_transfers_wait_for_the_launches_queued_on_their_buffers(fake, npu_backend, rng):
     """A read sees what queued calls wrote; a write lands after the queued calls that read the old bytes."""
-    c = LocalClient(npu)
+    c = LocalClient(npu_backend)
     x = rng.uniform(-2, 2, (ROWS, COLS)).astype(np.float32)
     ln = LayerNormOnDevice(c, x)
     ln.run(stream=2)
@@ -183,8 +169,8 @@ def test_transfers_wait_for_the_launches_queued_on_their_buffers(fake, npu, rng)
     c.close()
 
 
-def test_a_device_fault_surfaces_at_synchronize_once(fake, npu, rng):
-    c = LocalClient(npu)
+def test_a_device_fault_surfaces_at_synchronize_once(fake, npu_backend, rng):
+    c = LocalClient(npu_backend)
     x = rng.uniform(-2, 2, (ROWS, COLS)).astype(np.float32)
     ln = LayerNormOnDevice(c, x)
     fake.fail_next(f"kernel:{LN}", 507015)
@@ -214,11 +200,24 @@ def test_a_device_fault_surfaces_at_synchronize_once(fake, npu, rng):
     assert "earlier call queued on this stream failed on the device" in err.value.message
     assert "507015" in err.value.message
     c.synchronize(3)
+
+    # A call on host arrays made on the stream runs after what is queued there, and reports its fault.
+    fake.fail_next(f"kernel:{LN}", 507015)
+    ln.run(stream=3)
+    rows, cols = x.shape
+    host = dict(input=x, normalizedShape=[cols], eps=1e-5, out=np.empty_like(x))
+    host.update(meanOutOptional=np.empty((rows, 1), np.float32), rstdOutOptional=np.empty((rows, 1), np.float32))
+    with pytest.raises(AclnnError) as err:
+        c.run(LN, stream=3, **host)
+    assert err.value.code == 361001 and "507015" in err.value.message
+    c.synchronize(3)
+    c.run(LN, stream=3, **host)
+    assert_close(host["out"], layer_norm_reference(x, x, np.ones(cols), np.zeros(cols))[0], "out")
     c.close()
 
 
-def test_a_failed_launch_surfaces_at_synchronize_and_leaks_nothing(fake, npu, rng):
-    c = LocalClient(npu)
+def test_a_failed_launch_surfaces_at_synchronize_and_leaks_nothing(fake, npu_backend, rng):
+    c = LocalClient(npu_backend)
     ln = LayerNormOnDevice(c, rng.uniform(-2, 2, (ROWS, COLS)).astype(np.float32))
     c.synchronize()
     gc.collect()
@@ -232,13 +231,13 @@ def test_a_failed_launch_surfaces_at_synchronize_and_leaks_nothing(fake, npu, rn
     c.close()
 
 
-def test_queued_launches_keep_what_they_use_until_they_ran(fake, npu, rng):
+def test_queued_launches_keep_what_they_use_until_they_ran(fake, npu_backend, rng):
     """Executors, tensors and workspaces live until the stream is synchronized; a buffer freed meanwhile goes
     back to the allocator then; a session that ends without synchronizing or freeing leaves nothing."""
     gc.collect()
     before = fake.snapshot()
-    used = in_use(npu)
-    c = LocalClient(npu)
+    used = in_use(npu_backend)
+    c = LocalClient(npu_backend)
     x = rng.uniform(-2, 2, (ROWS, COLS)).astype(np.float32)
     ln = LayerNormOnDevice(c, x)
     dy = c.malloc(x.nbytes)
@@ -264,17 +263,17 @@ def test_queued_launches_keep_what_they_use_until_they_ran(fake, npu, rng):
         time.sleep(0.005)
     assert fake.live("executor") == before["executor"] + 2
     c.free(dy)  # the queued backward still reads it
-    with_workspace = in_use(npu)
+    with_workspace = in_use(npu_backend)
     c.synchronize(5)
     assert fake.live("executor") == before["executor"]
-    assert in_use(npu) < with_workspace  # dy and the backward's workspace went back to the allocator
+    assert in_use(npu_backend) < with_workspace  # dy and the backward's workspace went back to the allocator
     launched = fake.calls(LN)
     ln.run(stream=6)
     ln.run(stream=7)
     wait_for_launches(fake, launched + 2)
     c.close()  # the session ends: its queued launches run, its buffers and ACL streams go
     gc.collect()
-    assert fake.queued() == 0 and in_use(npu) == used
+    assert fake.queued() == 0 and in_use(npu_backend) == used
     for kind in ("tensor", "intArray", "boolArray", "executor"):
         assert fake.live(kind) == before[kind], kind
 

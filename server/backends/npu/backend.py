@@ -2,12 +2,14 @@
 
 Lifetime. The constructor loads CANN (acl.py), calls aclInit (once per process; shared
 by every NpuBackend and finalized when the last one closes), aclrtSetDevice, creates a
-context and a pool of streams. They belong to the backend until `close()`, which
-destroys the streams and the context, frees every device allocation, resets the device
-and finalizes ACL. Every thread that calls in first makes the backend's context current
-(aclrtSetCurrentContext), so gRPC worker threads can share the device.
+context and a pool of ACL streams, lent to client streams (streams.py). They belong to the
+backend until `close()`, which waits for queued launches, destroys the streams and the
+context, frees every device allocation, resets the device and finalizes ACL. Every thread
+that calls in first makes the backend's context current (aclrtSetCurrentContext), so gRPC
+worker threads and the engine's stream workers can share the device.
 
-One call (`compute`):
+One call on host arrays (`compute`), on the ACL stream lent to its client stream (after the
+work queued there) or on an idle one:
   1. layout: each input is a NumPy view (possibly strided, possibly stride 0). Only the
      storage span the view addresses is copied to the device — from its first addressed
      element to its last — and the aclTensor keeps the view's own strides with offset 0
@@ -23,13 +25,23 @@ One call (`compute`):
      otherwise leak it).
   3. the input spans are copied host -> device (aclrtMemcpy); a workspace block is taken
      from the allocator only when CANN asks for more than 0 bytes; aclnnX(workspace, size,
-     executor, stream); aclrtSynchronizeStream; then each enabled output is copied back
-     into its result array (device -> host) and the workspace block returns to the allocator.
+     executor, stream); aclrtSynchronizeStream (a failure of work queued earlier on the stream
+     surfaces here too); then each enabled output is copied back into its result array
+     (device -> host) and the workspace block returns to the allocator.
   A plan computed again (the engine's repeatable executors: validate once, run many
   times) reuses its CANN executor and device buffers: the new input bytes are copied
   into the same buffers and the executor is launched again. The executor, its tensors and
   buffers are released when the plan is garbage-collected (the engine dropped it) or at
   close().
+
+One call whose tensors all live in device buffers (`compute_resident`): aclTensors over the
+buffers' own memory (pointer + byte offset, with the client's strides and element offset), a
+fresh executor, a workspace block when CANN asks for one, and aclnnX on the client stream's ACL
+stream; nothing is copied and, on a client stream, nothing waits: the executor, its tensors and
+the workspace are released once the stream is next synchronized (by the client, by a transfer of
+a buffer the launch uses, at the end of its session, or when its ACL stream is wanted elsewhere).
+`synchronize` waits for a client stream's ACL stream and reports its failure. Device buffers
+themselves are memory.py's (`device_memory()`).
 
 workspace_size(): CANN's own figure, from aclnnXGetWorkspaceSize on exactly the tensor
 descriptors compute will create (same shapes, strides, storage dims, dtypes, formats) with
