@@ -274,6 +274,19 @@ def layer_norm_chain(x: np.ndarray, dy: np.ndarray, iterations: int) -> list[np.
 def test_chain_on_device_memory(native_prefix, compiled, server_address, tmp_path, dtype, streams):
     """LayerNorm forward + backward, three steps each reading the last one's output, on one allocation
     carved by pointer arithmetic; with two streams, the second reads x through a strided view."""
+    check_chain(native_prefix, compiled, server_address, tmp_path, dtype, streams)
+
+
+@pytest.mark.parametrize("streams", [1, 2])
+def test_chain_on_the_npu_backend(native_prefix, compiled, npu_address, fake, tmp_path, streams):
+    """The same program on a server whose NPU backend (on the fake CANN) keeps the buffers in NPU memory
+    and queues the calls on ACL streams."""
+    launched = fake.calls("aclnnLayerNorm")
+    check_chain(native_prefix, compiled, npu_address, tmp_path, np.float32, streams)
+    assert fake.calls("aclnnLayerNorm") == launched + 3 * streams
+
+
+def check_chain(native_prefix: Path, compiled, address: str, tmp_path: Path, dtype, streams: int) -> None:
     rng = np.random.default_rng(7)
     rows, cols, iterations = 6, 40, 3
     x = rng.uniform(-2, 2, (rows, cols)).astype(dtype)
@@ -283,7 +296,7 @@ def test_chain_on_device_memory(native_prefix, compiled, server_address, tmp_pat
     dy.tofile(tmp_path / "dy.bin")
     code = {np.dtype(np.float32): 0, np.dtype(np.float16): 1, BF16: 27}[np.dtype(dtype)]
     exe = compiled(PROGRAMS / "chain.cpp")
-    run_program(native_prefix, exe, server_address, str(tmp_path), str(code), str(streams), str(iterations))
+    run_program(native_prefix, exe, address, str(tmp_path), str(code), str(streams), str(iterations))
     reference = layer_norm_chain(x, dy, iterations)
     n = rows * cols
     for s in range(streams):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import re
+import threading
 import time
 
 import numpy as np
@@ -389,4 +390,86 @@ def test_a_full_launch_queue_is_synchronized_before_the_next_launch(fake, rng):
         ln.check()
     finally:
         c.close()
+        backend.close()
+
+
+def test_tenants_and_streams_at_once_on_a_small_pool(fake, rng):
+    """Three identities, two streams each, running, copying and synchronizing at once on three ACL
+    streams: every result is right, and nothing waits forever."""
+    backend = NpuBackend(0, streams=1, max_streams=3, max_streams_per_identity=2)
+    clients = [TenantClient(backend, name) for name in ("alice", "bob", "carol")]
+    errors: list[BaseException] = []
+
+    def work(c: TenantClient, stream: int, seed: int) -> None:
+        try:
+            x = np.random.default_rng(seed).uniform(-2, 2, (ROWS, COLS)).astype(np.float32)
+            ln = LayerNormOnDevice(c, x)
+            for i in range(6):
+                ln.run(stream=stream)
+                if i % 3 == 2:
+                    c.synchronize(stream)
+                ln.check()  # waits for the launch, whichever ACL stream it is on by now
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [
+        threading.Thread(target=work, args=(c, stream, 10 * i + stream))
+        for i, c in enumerate(clients)
+        for stream in (1, 2)
+    ]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        assert not any(t.is_alive() for t in threads), "a worker is stuck"
+        assert not errors, errors
+        assert len(backend.streams) <= 3  # the cap
+    finally:
+        for c in clients:
+            c.close()
+        backend.close()
+
+
+def test_two_tokens_on_one_server_keep_their_faults_apart(fake, rng, tmp_path):
+    """Through gRPC: each bearer token is an identity with its own ACL stream for its stream 1, so
+    bob's synchronize runs only bob's kernel, never alice's faulty one queued before it."""
+    tokens = tmp_path / "tokens"
+    tokens.write_text("alice\nbob\n")
+    backend = NpuBackend(0)
+    options = ServerOptions(host="127.0.0.1", port=0, auth_token_file=tokens)
+    server, port, _ = create_server(options, engine=Engine(backend))
+    server.start()
+    x = rng.uniform(-2, 2, (ROWS, COLS)).astype(np.float32)
+    try:
+        with Client(f"127.0.0.1:{port}", token="alice") as alice, Client(f"127.0.0.1:{port}", token="bob") as bob:
+            mine, theirs = LayerNormOnDevice(alice, x), LayerNormOnDevice(bob, 2 * x)
+            gamma = alice.malloc(4 * COLS)
+            alice.memcpy(gamma, np.ones(COLS, np.float32))
+            start, launched, ran = len(fake.log()), fake.calls("aclnnRmsNorm"), fake.calls("kernel:aclnnRmsNorm")
+            fake.fail_next("kernel:aclnnRmsNorm", 507015)
+            alice.run(
+                "aclnnRmsNorm",
+                x=on_device(mine.xb, x.shape),
+                gamma=on_device(gamma, (COLS,)),
+                epsilon=1e-6,
+                yOut=on_device(mine.yb, x.shape),
+                rstdOut=on_device(mine.stats, (ROWS, 1)),
+                stream=1,
+            )
+            deadline = time.monotonic() + 10
+            while fake.calls("aclnnRmsNorm") == launched:  # alice's launch, queued before bob's
+                assert time.monotonic() < deadline
+                time.sleep(0.005)
+            theirs.run(stream=1)
+            bob.synchronize(1)
+            theirs.check()
+            assert fake.calls("kernel:aclnnRmsNorm") == ran  # alice's kernel has not run: not on bob's stream
+            with pytest.raises(AclnnError) as err:
+                alice.synchronize(1)
+            assert "507015" in err.value.message and "stream 1" in err.value.message
+            rms = [line for line in fake.log()[start:] if line.startswith("aclnnRmsNorm executor=")]
+            assert len(rms) == 1 and launches(fake, start)[0] != int(re.search(r"stream=(\d+)", rms[0])[1])
+    finally:
+        server.stop(None).wait()
         backend.close()
