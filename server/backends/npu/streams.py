@@ -10,9 +10,10 @@ client stream's work, and its failures, apart:
   keeps its ACL stream while nobody else needs it) and moves only when the ACL stream is wanted
   elsewhere.
 - Whoever synchronizes an ACL stream that holds a client stream's work (that client stream's own
-  synchronize, a transfer of a buffer the work uses, the end of its session, or another client
-  stream taking the ACL stream over) records a failure for that client stream, never for itself:
-  it surfaces at the client stream's synchronize, or at the next call made on it. An ACL stream
+  synchronize, a transfer of a buffer the work uses, or another client stream taking the ACL
+  stream over) records a failure for that client stream, never for itself: it surfaces at the
+  client stream's synchronize, or at the next call made on it. The end of a session waits for its
+  work and drops its failures. An ACL stream
   whose work failed is replaced by a fresh one, so that no fault state passes to its next user.
 - Calls waited for (host tensors, or no client stream) launch and synchronize while holding the
   ACL stream's lock: their failure is their own.
@@ -21,8 +22,8 @@ client stream's work, and its failures, apart:
 - Caps: at most `max_streams` ACL streams in all, at most `max_per_identity` of them bound to one
   identity's client streams (beyond, a client stream takes over its identity's least recently used
   ACL stream, an idle one first, synchronizing it if it has work), and at most `max_queued`
-  launches on one ACL stream (the next one synchronizes it first, as a device's full launch
-  queue holds a launch back).
+  launches queued on one ACL stream (the launch that fills it waits for them, as a device's full
+  launch queue holds its caller back).
 """
 
 from __future__ import annotations
