@@ -25,7 +25,7 @@ from aclnn_common.types import numpy_dtype
 from aclnn_common.wire import decode_error, encode_call
 
 from .data_channel import DataChannel, NoConnection
-from .pool import Pool, data_channel_host, is_loopback, parse_target
+from .pool import RECONNECT_WAIT_S, Pool, data_channel_host, is_loopback, parse_target
 from .regions import Region, RegionPool
 from .staging import Staging
 from .tls import check_token, settings
@@ -43,6 +43,8 @@ _DEVICE_FAILED = grpc.StatusCode.ABORTED
 # The one retry layer (gRPC's own retries are off): a retry-safe call (run, planning, listing) is
 # tried at most this many times, each on the next backend not known to be down, sleeping
 # 0.05, 0.1, 0.2 s (at most 0.35 s in all) before the 2nd, 3rd and 4th when it was refused as busy.
+# A backend gone (UNAVAILABLE) with no other to try: retries first wait for its connection to come
+# back (a server restarting on its port), RECONNECT_WAIT_S in all (or the timeout, when shorter).
 ATTEMPTS = 4
 _BACKOFF_S = 0.05
 # How often a client holding state on a server (regions, repeatable executors) renews its session's lease.
@@ -132,6 +134,8 @@ class Client(BaseClient):
         self._device_home: int | None = None  # the backend holding this client's device memory
 
     def close(self) -> None:
+        if self.closed:
+            return
         super().close()
         self._closed.set()
         channels = [c for c in list(self._data_channels.values()) if c is not None]
@@ -148,6 +152,7 @@ class Client(BaseClient):
 
     def list_operators(self) -> dict[str, list[dict[str, Any]]]:
         """The server's operators and their parameters (name, kind, output, optional, inout)."""
+        self._check_open()
         reply, _ = self._call_any("ListOperators", lambda replica: pb.Empty(), stateless=lambda: True)
         return {
             op.name: [
@@ -206,6 +211,7 @@ class Client(BaseClient):
         is tried, once, and the one whose device failed is not tried again.
         """
         device_failed: int | None = None
+        reconnect_by: float | None = None  # how long UNAVAILABLE waits for a connection, over all tries
         for attempt in range(ATTEMPTS):
             replica = self._pool.next()
             if replica == device_failed:
@@ -222,6 +228,9 @@ class Client(BaseClient):
                     continue
                 if error.grpc_code == grpc.StatusCode.UNAVAILABLE:
                     self._pool.down(replica)
+                    if self._pool.count() == 1:  # nowhere else to go: a restarting server's connection comes back
+                        reconnect_by = reconnect_by or time.monotonic() + min(RECONNECT_WAIT_S, self._timeout or 1e9)
+                        self._pool.wait_connected(replica, reconnect_by - time.monotonic())
                 if error.grpc_code == grpc.StatusCode.RESOURCE_EXHAUSTED or self._pool.count() == 1:
                     time.sleep(_BACKOFF_S * 2**attempt)  # busy, or nowhere else to go: back off
         raise AssertionError("unreachable")

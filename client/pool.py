@@ -45,6 +45,11 @@ DOWN_S = 2.0
 RESOLVE_S = 5.0
 # A DNS server named in the target ("dns://host:port/...") gets this long to answer.
 _DNS_TIMEOUT_S = 2.0
+# gRPC reconnects a broken connection after a backoff that grows to 120 s by default: a server that
+# restarted would stay unreachable to this client long after it is back. Capped at 1 s here, and a
+# call with nowhere else to go waits up to RECONNECT_WAIT_S for its backend's connection.
+RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 1000)]
+RECONNECT_WAIT_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -174,7 +179,7 @@ class Pool:
             self._update(list(target.addresses))
 
     def _channel(self, address: str, name_override: bool = False) -> grpc.Channel:
-        options = list(self._options)
+        options = [*RECONNECT_OPTIONS, *self._options]
         if name_override and self.target.host is not None:
             # A backend is dialled by address, but it is the name the user gave that its certificate must show.
             options += [("grpc.default_authority", f"{self.target.host}:{self.target.port}")]
@@ -230,6 +235,21 @@ class Pool:
         """The backend answered UNAVAILABLE: passed over for a while, and the name resolved again."""
         self._backends[replica].down_until = time.monotonic() + DOWN_S
         self._resolved_at = -float("inf")
+
+    def wait_connected(self, replica: int, timeout: float) -> bool:
+        """Waits at most `timeout` s for the backend's connection (and the balanced channel's) to be up;
+        whether they are. After a restart gRPC reconnects when its backoff ends (RECONNECT_OPTIONS)."""
+        channels = [self.channel(replica), *([self._balanced_channel] if self._balanced_channel else [])]
+        deadline = time.monotonic() + timeout
+        for channel in channels:
+            ready = grpc.channel_ready_future(channel)
+            try:
+                ready.result(timeout=max(0.0, deadline - time.monotonic()))
+            except grpc.FutureTimeoutError:
+                return False
+            finally:
+                ready.cancel()
+        return True
 
     def count(self) -> int:
         """Backends to choose from now (live ones)."""

@@ -12,7 +12,7 @@ import numpy as np
 
 from .binding import BoundCall, bind
 from .device import DeviceBuffer, host_bytes, host_target
-from .errors import invalid_error
+from .errors import AclnnError, Status, invalid_error
 from .tensor import Value
 
 
@@ -41,9 +41,16 @@ class BaseClient(abc.ABC):
 
     def __init__(self) -> None:
         self._async = _AsyncState()
+        self._closed_by_user = False
+
+    @property
+    def closed(self) -> bool:
+        """Whether close() was called (or the client's with block ended): every call then raises."""
+        return self._closed_by_user
 
     def get_workspace_size(self, op: str, /, **params: Any) -> tuple[int, Executor]:
         """Validates and plans a call on the server; returns (workspace_size, executor)."""
+        self._check_open()
         call = bind(op, params, self._output_names(op), self._inout_names(op))
         workspace_size, executor_id = self._get_workspace_size(op, call.descriptors())
         return workspace_size, Executor(executor_id, call, workspace_size)
@@ -53,17 +60,20 @@ class BaseClient(abc.ABC):
 
         Calls naming the same `stream` run in submission order; other streams may overlap.
         """
+        self._check_open()
         if not isinstance(executor, Executor):
             raise invalid_error("executor", f"expected an Executor from get_workspace_size, got {executor!r:.60}")
         self._in_order(stream, lambda: self._execute(executor, stream)).result()
 
     def run(self, op: str, /, *, stream: int | None = None, **params: Any) -> None:
         """Both phases in one round trip; fills the outputs in place."""
+        self._check_open()
         call = bind(op, params, self._output_names(op), self._inout_names(op))
         self._in_order(stream, lambda: self._run(call, stream)).result()
 
     def run_async(self, op: str, /, *, stream: int | None = None, **params: Any) -> concurrent.futures.Future:
         """`run` in the background: the future's result is None once the outputs are filled."""
+        self._check_open()
         call = bind(op, params, self._output_names(op), self._inout_names(op))
         return self._in_order(stream, lambda: self._run(call, stream), background=True)
 
@@ -96,10 +106,12 @@ class BaseClient(abc.ABC):
 
     def set_executor_repeatable(self, executor: Executor) -> None:
         """Keeps the executor usable until destroy_executor (call before its first execute)."""
+        self._check_open()
         self._set_executor_repeatable(self._executor_id(executor))
         executor.repeatable = True
 
     def destroy_executor(self, executor: Executor) -> None:
+        self._check_open()
         self._destroy_executor(self._executor_id(executor))
 
     # Device memory ----------------------------------------------------------------------------
@@ -160,9 +172,20 @@ class BaseClient(abc.ABC):
             raise invalid_error(name, "is device memory of another client")
 
     def close(self) -> None:
-        """Waits for background calls, then releases the transport."""
+        """Waits for background calls, then releases the transport; later calls raise (see `_check_open`).
+        Closing again does nothing."""
+        self._closed_by_user = True
         if self._async.executor is not None:
             self._async.executor.shutdown(wait=True)
+
+    def _check_open(self) -> None:
+        """A closed client never reconnects behind its user's back: each call says it is closed."""
+        if self._closed_by_user:
+            raise AclnnError(
+                Status.RUNTIME_ERROR,
+                f"this {type(self).__name__} is closed (by close() or the end of its with block): make a new one",
+                "client",
+            )
 
     def __enter__(self) -> BaseClient:
         return self

@@ -57,8 +57,10 @@ def build_parser() -> argparse.ArgumentParser:
 def _explain(error: ValidationError) -> str:
     lines = []
     for e in error.errors():
-        where = "--" + "-".join(str(p) for p in e["loc"]).replace("_", "-") if e["loc"] else "options"
-        lines.append(f"  {where}: {e['msg']}")
+        if e["loc"]:
+            lines.append(f"  --{'-'.join(str(p) for p in e['loc']).replace('_', '-')} {e.get('input')!r}: {e['msg']}")
+        else:  # a check across options, whose message names the flags and values itself
+            lines.append(f"  {e['ctx']['error'] if e['type'] == 'value_error' else e['msg']}")
     return "invalid configuration:\n" + "\n".join(lines)
 
 
@@ -79,27 +81,38 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=options.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         server, port, engine = create_server(options)
-    except (ValueError, RuntimeError, OSError) as exc:
+    except (ValueError, RuntimeError, OSError) as exc:  # each names the flags and values at fault
         log.error("cannot start: %s", exc)
         return 1
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
-    server.start()
-    if not engine.ready.is_set():
-        log.info("listening on %s:%d, NOT_SERVING until the %s backend is ready", options.host, port, options.backend)
+    try:
+        server.start()
+    except (ValueError, OSError) as exc:  # the metrics port
+        log.error("cannot start: %s", exc)
+        server.stop(0).wait()
+        return 1
+    if not engine.ready.is_set():  # `listening on` is for a server that answers calls: not yet
+        log.info(
+            "started on %s:%d: NOT_SERVING, and calls refused as starting, until its %s backend is ready",
+            options.host,
+            port,
+            options.backend,
+        )
     while not engine.ready.wait(0.2):
         if stop.is_set():
             server.stop(0).wait()
             return 1
     if engine.load_error is not None:
-        log.error("cannot start: %s", engine.load_error)
+        log.error("cannot start: --backend %s: %s", options.backend, engine.load_error)
         server.stop(0).wait()
         return 1
     log.info(
-        "backend %s; operators %s; max concurrency %d, queue %d; memory budget %d MiB, %d MiB per tenant; "
+        "backend %s%s; operators %s; max concurrency %d, queue %d; memory budget %d MiB, %d MiB per tenant; "
         "auth %s; tls %s; data channel %s; metrics %s",
         engine.backend.name,
+        "" if engine.loaded.is_set() else f" until {options.backend} has loaded the best one here",
         ", ".join(sorted(engine.operators)),
         options.max_concurrency,
         options.max_queue,

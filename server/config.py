@@ -6,9 +6,12 @@ JSON), then the defaults here. Everything is validated before the server starts.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import ipaddress
 import pathlib
+import ssl
+from collections.abc import Iterator
 from typing import Any, Literal
 
 from pydantic import Field, model_validator
@@ -129,17 +132,30 @@ class ServerOptions(BaseSettings):
     @model_validator(mode="after")
     def _consistent(self) -> ServerOptions:
         if (self.tls_cert is None) != (self.tls_key is None):
-            raise ValueError("tls_cert and tls_key go together")
+            raise ValueError("--tls-cert and --tls-key go together")
         if self.tls_client_ca is not None and self.tls_cert is None:
-            raise ValueError("tls_client_ca (mutual TLS) needs tls_cert and tls_key")
-        for path in (self.tls_cert, self.tls_key, self.tls_client_ca, self.auth_token_file):
+            raise ValueError("--tls-client-ca (mutual TLS) needs --tls-cert and --tls-key")
+        for name in ("tls_cert", "tls_key", "tls_client_ca", "auth_token_file"):
+            path = getattr(self, name)
             if path is not None and not path.is_file():
-                raise ValueError(f"{path} is not a readable file")
+                raise ValueError(f"{flag(name)} {path} is not a readable file")
+        if self.tls_cert is not None:  # read now, so that a bad file is named (gRPC would say "failed to bind")
+            with options_at_fault(tls_cert=self.tls_cert, tls_key=self.tls_key):
+                try:
+                    ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(self.tls_cert, self.tls_key)
+                except ssl.SSLError as exc:
+                    raise ValueError(f"not a PEM certificate chain and its private key ({exc})") from exc
+        if self.tls_client_ca is not None:
+            with options_at_fault(tls_client_ca=self.tls_client_ca):
+                try:
+                    ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_verify_locations(self.tls_client_ca)
+                except ssl.SSLError as exc:
+                    raise ValueError(f"not a PEM bundle of CA certificates ({exc})") from exc
         if not self.is_loopback and not self.insecure:
             if self.tls_cert is None:
-                raise ValueError(f"host {self.host} is not loopback: give --tls-cert/--tls-key, or --insecure")
+                raise ValueError(f"--host {self.host} is not loopback: give --tls-cert/--tls-key, or --insecure")
             if self.auth_token_file is None:
-                raise ValueError(f"host {self.host} is not loopback: give --auth-token-file, or --insecure")
+                raise ValueError(f"--host {self.host} is not loopback: give --auth-token-file, or --insecure")
         return self
 
     @property
@@ -159,3 +175,25 @@ def load_options(flags: dict[str, Any], config_file: pathlib.Path | None = None)
         return ServerOptions(**flags)
     finally:
         _config_file.reset(token)
+
+
+def flag(name: str) -> str:
+    """The command-line flag of an option field (`data_port` -> `--data-port`)."""
+    return "--" + name.replace("_", "-")
+
+
+class OptionError(ValueError):
+    """A setting the server cannot start with; the message names each flag at fault and its value."""
+
+
+@contextlib.contextmanager
+def options_at_fault(**settings: object) -> Iterator[None]:
+    """Re-raises a failure to use these settings (a port taken, a socket path that cannot be made, a file
+    that does not parse) as an OptionError naming them: `--data-port 50052: [Errno 98] Address already in use`."""
+    try:
+        yield
+    except OptionError:
+        raise
+    except (OSError, RuntimeError, ValueError) as exc:  # ssl.SSLError is an OSError
+        named = " ".join(f"{flag(name)} {value}" for name, value in settings.items())
+        raise OptionError(f"{named}: {exc}") from exc

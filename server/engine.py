@@ -13,7 +13,7 @@ import threading
 import time
 from collections.abc import Callable, Hashable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -21,7 +21,7 @@ from aclnn_common.errors import AclnnError, Status, invalid_error
 from aclnn_common.tensor import BoolArray, IntArray, Tensor, Value
 
 from .admission import Admission
-from .backends import Backend, create_backend
+from .backends import Backend, NumpyBackend, create_backend
 from .buffers import Buffer, BufferStore, DeviceMemory, HostMemory, ResidentStorage
 from .descriptors import TensorDesc
 from .executors import ExecutorStore
@@ -114,15 +114,30 @@ class Engine:
         torch_device: str = "cpu",
         load_in_background: bool = False,
     ) -> None:
-        # A backend named here is created now, or with `load_in_background` on a thread of its own
-        # (the cpu backend may compile its kernels for a minute): `ready` is set once it can compute.
+        # `ready` is set once calls can be computed. `auto` computes on the NumPy reference at once and
+        # loads the best backend (the NPU, else cpu, whose kernels may compile for minutes on a cold
+        # cache) on a thread of its own, then switches to it. Another backend named here is created
+        # now, or with `load_in_background` on a thread of its own; calls that come before it is
+        # ready are refused at once (BackendStarting), never left waiting. `loaded` is set once the
+        # backend asked for is in place (or failed to load: `load_error`).
         self.ready = threading.Event()
+        self.loaded = threading.Event()
         self.load_error: BaseException | None = None
         self._backend: Backend | None = None
+        self._backend_name = backend if isinstance(backend, str) else backend.name
+        self._loading_since = time.monotonic()
+        self._switched_at: float | None = None  # when `auto` left the reference
+        self._closed = False
+        self._owns_backend = isinstance(backend, str)  # a backend passed in belongs to the caller
+        self._lock = threading.Lock()
         if not isinstance(backend, str):
             self._backend = backend
             self.ready.set()
-        elif load_in_background:
+            self.loaded.set()
+        elif backend == "auto" or load_in_background:
+            if backend == "auto":
+                self._backend = NumpyBackend()
+                self.ready.set()
             threading.Thread(
                 target=self._load, args=(backend, device, torch_device), name="aclnn-backend-load", daemon=True
             ).start()
@@ -142,20 +157,49 @@ class Engine:
 
     def _load(self, name: str, device: int, torch_device: str) -> None:
         try:
-            self._backend = create_backend(name, device=device, torch_device=torch_device)
-        except BaseException as exc:  # reported by whoever waits for `ready` (the CLI exits with it)
-            self.load_error = exc
+            backend = create_backend(name, device=device, torch_device=torch_device)
+        except BaseException as exc:
+            if name != "auto":
+                self.load_error = exc  # reported by whoever waits for `ready` (the CLI exits with it)
+            else:
+                log.error("backend auto: staying on the numpy reference: %s", exc, exc_info=exc)
+        else:
+            with self._lock:
+                closed, previous = self._closed, self._backend
+                if not closed:
+                    self._backend = backend
+                    if previous is not None and previous.name != backend.name:
+                        self._switched_at = time.monotonic()
+            if closed:
+                _close(backend)
+            elif previous is not None and previous.name != backend.name:
+                log.info(
+                    "backend %s in place of the %s reference (auto; ready after %.1f s)",
+                    backend.name,
+                    previous.name,
+                    time.monotonic() - self._loading_since,
+                )
         finally:
             self.ready.set()
+            self.loaded.set()
 
     @property
     def backend(self) -> Backend:
-        """The backend; calls that arrive while it is still loading wait for it."""
-        if self._backend is None:
-            self.ready.wait()
-            if self._backend is None:
+        """The backend computing calls now; before one is ready, BackendStarting (or the load's failure)."""
+        backend = self._backend
+        if backend is None:
+            if self.load_error is not None:
                 raise AclnnError(Status.RUNTIME_ERROR, f"the backend failed to start: {self.load_error}")
-        return self._backend
+            raise BackendStarting(self._backend_name, time.monotonic() - self._loading_since)
+        return backend
+
+    def close(self) -> None:
+        """Releases the backend this engine created (a device's context); one still loading is released once loaded."""
+        with self._lock:
+            self._closed = True
+            backend = self._backend
+        if self._owns_backend:
+            _close(backend)
 
     @property
     def operators(self) -> Mapping[str, Operator]:
@@ -210,9 +254,12 @@ class Engine:
         call = call or CallContext()
         entry = self.executors.get(executor_id, call.owner)
         call.op = entry.operator.name
+        workspace_size = entry.workspace_size
+        if self._switched_at is not None and entry.created <= self._switched_at:
+            workspace_size = self.backend.workspace_size(entry.operator, entry.plan)  # planned on the reference
         resident = _resident_of(entry.plan, entry.data, inputs)
         if not resident and not self._ordered(call):
-            with self._admitted(entry.plan, entry.workspace_size, call):
+            with self._admitted(entry.plan, workspace_size, call):
                 entry, args = self.executors.begin_execute(
                     executor_id, lambda e: self._bind_inputs(e.operator, e.plan, e.data, inputs), call.owner
                 )
@@ -225,7 +272,7 @@ class Engine:
             return self._bind_inputs(e.operator, e.plan, e.data, inputs)
 
         entry, args = self.executors.begin_execute(executor_id, bind, call.owner)
-        return self._dispatch(entry.operator, entry.plan, entry.workspace_size, args, resident, call, destinations)
+        return self._dispatch(entry.operator, entry.plan, workspace_size, args, resident, call, destinations)
 
     def run(
         self,
@@ -569,6 +616,31 @@ class Engine:
 def _stream_key(call: CallContext) -> StreamKey | None:
     """The client stream a backend runs a call on: (identity, session, stream id), or None without one."""
     return None if call.stream is None else (call.owner, call.session, call.stream)
+
+
+class BackendStarting(AclnnError):
+    """The backend asked for is not ready yet (a cold cpu backend compiles its kernels for minutes).
+
+    UNAVAILABLE on the wire, which clients retry: the call is refused at once, never left waiting
+    for the start-up, and its message says how long the server has been at it.
+    """
+
+    # What each backend is doing while it starts, for the message.
+    ACTIVITY: ClassVar[dict[str, str]] = {"cpu": "compiling kernels", "npu": "initializing the device"}
+
+    def __init__(self, backend: str, elapsed_s: float) -> None:
+        activity = self.ACTIVITY.get(backend, "loading")
+        super().__init__(
+            Status.RUNTIME_ERROR,
+            f"the server is starting: its {backend} backend is not ready yet ({activity}, {elapsed_s:.0f} s so far); "
+            "retry later, or start it with --backend auto to be served by the reference meanwhile",
+        )
+
+
+def _close(backend: Backend | None) -> None:
+    close = getattr(backend, "close", None)
+    if close is not None:
+        close()
 
 
 def _value_key(value: Value) -> Hashable:

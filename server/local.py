@@ -30,14 +30,13 @@ class LocalClient(BaseClient):
         # Executors belong to this client's session, which lasts as long as the client (in process,
         # nobody can go away and leave them behind).
         self._session = f"local-{id(self):x}"
-        self._owns_backend = isinstance(backend, str)  # a backend passed in belongs to the caller
 
     def close(self) -> None:
+        if self.closed:
+            return
         super().close()
         self.engine.end_session(self._session)
-        close = getattr(self.engine.backend, "close", None)
-        if self._owns_backend and close is not None:
-            close()
+        self.engine.close()
 
     def _output_names(self, op: str) -> frozenset[str]:
         operator = self.engine.operators.get(op)

@@ -1,8 +1,16 @@
-"""Fixtures: a real gRPC server on a loopback port, and clients over gRPC and in process."""
+"""Fixtures: a real gRPC server on a loopback port, and clients over gRPC and in process.
+
+Before the tests, the cpu backend's kernels are compiled (or loaded from the disk cache) once, with
+progress lines on the terminal and a limit of their own (`pytest_collection_finish`): a cold cache
+takes minutes on 2 cores, which no test's timeout should have to cover.
+"""
 
 from __future__ import annotations
 
 import os
+import pathlib
+import threading
+import time
 from collections.abc import Iterator
 from typing import NamedTuple
 
@@ -16,6 +24,54 @@ from aclnn_server.backends.npu import NpuBackend
 
 # Backends every conformance test runs on; a new backend joins the suite by being listed here.
 BACKENDS = ("numpy", "cpu")
+# How long the session-start compile of the cpu kernels may take (it took 7.3 minutes on a busy 2-core
+# machine; 3 minutes of CPU) before the run stops, saying so.
+KERNEL_COMPILE_LIMIT_S = 1800
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Compiles (or loads) the cpu kernels in this process before any test that may use them runs."""
+    if not any(_uses_cpu_kernels(item) for item in session.items):
+        return
+    from aclnn_server.backends import cpu
+
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+
+    def show(line: str) -> None:
+        if reporter is not None:
+            reporter.write_line(line)
+
+    failure: list[BaseException] = []
+
+    def compile_kernels() -> None:
+        try:
+            cpu.warm_up(show)
+        except BaseException as exc:  # shown below; the tests that need the kernels then fail on their own
+            failure.append(exc)
+
+    started = time.monotonic()
+    worker = threading.Thread(target=compile_kernels, name="cpu-kernels", daemon=True)
+    worker.start()
+    worker.join(KERNEL_COMPILE_LIMIT_S)
+    if worker.is_alive():
+        pytest.exit(f"the cpu kernels did not compile within {KERNEL_COMPILE_LIMIT_S} s", returncode=3)
+    if failure:
+        show(f"cpu backend: kernels unusable after {time.monotonic() - started:.0f} s: {failure[0]!r}")
+
+
+_MODULE_USES_CPU: dict[pathlib.Path, bool] = {}
+_CPU_WORDS = ('"cpu"', '"auto"', "backends.cpu", "backends import cpu")
+
+
+def _uses_cpu_kernels(item: pytest.Item) -> bool:
+    """Whether a test may run the cpu backend: a `cpu` parameter, or a module that names the backend."""
+    if "cpu" in item.nodeid:
+        return True
+    path = item.path
+    if path not in _MODULE_USES_CPU:
+        source = path.read_text() if path.suffix == ".py" else ""
+        _MODULE_USES_CPU[path] = any(word in source for word in _CPU_WORDS)
+    return _MODULE_USES_CPU[path]
 
 
 @pytest.fixture(scope="session", params=BACKENDS)
@@ -26,7 +82,7 @@ def backend(request: pytest.FixtureRequest) -> str:
 @pytest.fixture(scope="session")
 def server_address(backend: str):
     server, port, engine = create_server(ServerOptions(host="127.0.0.1", port=0, backend=backend))
-    engine.ready.wait()  # the backend loads in the background: started after it, the server is SERVING at once
+    engine.ready.wait()  # the kernels were compiled at the session's start: this is a load from the cache
     server.start()
     yield f"127.0.0.1:{port}"
     server.stop(None)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import socket
 import ssl
 import threading
 import time
@@ -20,7 +21,7 @@ from aclnn_common._proto import aclnn_pb2_grpc as pb_grpc
 from aclnn_common.chunks import to_chunks
 from aclnn_common.errors import invalid_error
 
-from ..config import ServerOptions
+from ..config import ServerOptions, options_at_fault
 from ..engine import CallContext, Engine, default_memory_budget
 from ..metrics import Metrics
 from ..params import check
@@ -202,6 +203,16 @@ def bind_address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
+def _bind_failure(host: str, port: int) -> str:
+    """Why the system refuses to bind host:port (asked again with a plain socket), for the start-up error."""
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+            probe.bind((host, port))
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    return "gRPC could not bind it"
+
+
 def _read(path: Any) -> bytes | None:
     return None if path is None else open(path, "rb").read()
 
@@ -234,7 +245,8 @@ class AclnnServer:
         self.call_limit = CallLimit(workers, self._health_pool, self.metrics.refused.inc, per_identity)
         interceptors: list[grpc.ServerInterceptor] = [self.call_limit]  # outermost: calls auth refuses count too
         if options.auth_token_file:
-            interceptors.append(TokenAuthInterceptor(read_tokens(options.auth_token_file)))
+            with options_at_fault(auth_token_file=options.auth_token_file):
+                interceptors.append(TokenAuthInterceptor(read_tokens(options.auth_token_file)))
         self.grpc = grpc.server(
             # Two spare threads: refusals, and calls that ended while their thread is still finishing.
             futures.ThreadPoolExecutor(max_workers=workers + 2, thread_name_prefix="aclnn-rpc"),
@@ -258,15 +270,19 @@ class AclnnServer:
             self.grpc,
         )
         address = bind_address(options.host, options.port)
-        if options.tls_cert is not None:
-            credentials = grpc.ssl_server_credentials(
-                [(_read(options.tls_key), _read(options.tls_cert))],
-                root_certificates=_read(options.tls_client_ca),
-                require_client_auth=options.tls_client_ca is not None,
-            )
-            self.port = self.grpc.add_secure_port(address, credentials)
-        else:
-            self.port = self.grpc.add_insecure_port(address)
+        with options_at_fault(host=options.host, port=options.port):
+            try:
+                if options.tls_cert is not None:
+                    credentials = grpc.ssl_server_credentials(
+                        [(_read(options.tls_key), _read(options.tls_cert))],
+                        root_certificates=_read(options.tls_client_ca),
+                        require_client_auth=options.tls_client_ca is not None,
+                    )
+                    self.port = self.grpc.add_secure_port(address, credentials)
+                else:
+                    self.port = self.grpc.add_insecure_port(address)
+            except RuntimeError:  # gRPC's says only "failed to bind": the system's reason
+                raise OSError(f"cannot listen there ({_bind_failure(options.host, options.port)})") from None
         unix_socket = None if options.unix_socket in ("", "off") else options.unix_socket
         self.data_channel = (
             DataChannelServer(
@@ -300,7 +316,8 @@ class AclnnServer:
         if self.data_channel is not None:
             self.data_channel.start()
         if self.options.metrics_port:
-            self.metrics_port = self.metrics.serve(self.options.host, self.options.metrics_port)
+            with options_at_fault(host=self.options.host, metrics_port=self.options.metrics_port):
+                self.metrics_port = self.metrics.serve(self.options.host, self.options.metrics_port)
         if self.engine.ready.is_set():
             self._serve_when_ready()
         else:
@@ -337,10 +354,7 @@ class AclnnServer:
             self._health_pool.shutdown(wait=False)
             self.metrics.close()
             self.storage.close()
-            if self.engine.ready.is_set() and self.engine.load_error is None:
-                close = getattr(self.engine.backend, "close", None)
-                if close is not None:
-                    close()
+            self.engine.close()
             stopped.set()
 
         threading.Thread(target=release, name="aclnn-release", daemon=True).start()

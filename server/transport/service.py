@@ -26,7 +26,7 @@ from aclnn_common.errors import AclnnError, Status, invalid_error
 from ..admission import CallAbandoned
 from ..buffers import ResidentStorage
 from ..descriptors import MAX_COUNT
-from ..engine import CallContext, Engine
+from ..engine import BackendStarting, CallContext, Engine
 from ..errors import CapacityError
 from ..ledger import SMALL_HOLD_BYTES, Hold
 from ..metrics import Metrics
@@ -84,6 +84,8 @@ def error_status(error: AclnnError) -> status_pb2.Status:
     if isinstance(error, CapacityError):
         code = code_pb2.RESOURCE_EXHAUSTED
         details.append(error_details_pb2.RetryInfo(retry_delay=_RETRY_AFTER))
+    elif isinstance(error, BackendStarting):
+        code = code_pb2.UNAVAILABLE  # not this call's fault, and over soon: clients retry it
     else:
         code = _GRPC_CODES.get(error.code, code_pb2.INTERNAL)
     packed = []

@@ -20,6 +20,7 @@ import contextlib
 import logging
 import threading
 import time
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
@@ -66,8 +67,12 @@ def kernel_modules() -> dict[str, ModuleType]:
     }
 
 
-def warm_up() -> float:
-    """Compiles (or loads) and runs every kernel on tiny inputs, once per process; returns the seconds spent."""
+def warm_up(progress: Callable[[str], None] | None = None) -> float:
+    """Compiles (or loads) and runs every kernel on tiny inputs, once per process; returns the seconds spent.
+
+    A compile is announced first and logged kernel by kernel; `progress` gets those lines too (the
+    test suite's session start shows them).
+    """
     global _warm_seconds
     from . import _jit
 
@@ -75,23 +80,36 @@ def warm_up() -> float:
         if _warm_seconds is None:
             started = time.perf_counter()
             modules = kernel_modules()
-            if not _jit.cache_is_warm():
-                log.warning(
-                    "cpu backend: compiling its kernels (not in the disk cache %s); this takes about a minute "
-                    "on 2 cores, once per machine and version: later starts load them in about a second",
-                    _jit.numba.config.CACHE_DIR or "(none: unwritable)",
+            compiling = not _jit.cache_is_warm()
+            if compiling:
+                report(
+                    progress,
+                    logging.WARNING,
+                    f"cpu backend: compiling its kernels into {_jit.configure_cache() or '(no writable cache)'}: "
+                    "about 2 minutes on 2 cores, once per machine and code version; later starts load them "
+                    "in seconds, wherever the package is installed",
                 )
-            for module in modules.values():
+            for done, (op, module) in enumerate(modules.items(), 1):
                 module.warm_up()
+                if compiling:
+                    elapsed = time.perf_counter() - started
+                    report(progress, logging.INFO, f"cpu backend: {op} ready ({done}/{len(modules)}, {elapsed:.0f} s)")
             _warm_seconds = time.perf_counter() - started
             loaded, compiled = _jit.compile_counts()
-            log.info(
-                "cpu backend: kernels ready in %.2f s (%d loaded from the disk cache, %d compiled)",
-                _warm_seconds,
-                loaded,
-                compiled,
+            report(
+                progress,
+                logging.INFO,
+                f"cpu backend: kernels ready in {_warm_seconds:.2f} s "
+                f"({loaded} loaded from the disk cache, {compiled} compiled)",
             )
         return _warm_seconds
+
+
+def report(progress: Callable[[str], None] | None, level: int, line: str) -> None:
+    """A warm-up line to the log, and to `progress` when given."""
+    log.log(level, "%s", line)
+    if progress is not None:
+        progress(line)
 
 
 def checked_threading_layer() -> str:

@@ -21,16 +21,21 @@ import importlib
 import importlib.metadata
 import os
 import pathlib
+import re
+import shutil
+import sys
 import threading
+import time
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
+import llvmlite
 import ml_dtypes
 import numba
 import numpy as np
 from llvmlite import ir
-from numba.core import types
+from numba.core import caching, types
 from numba.core.errors import NumbaIRAssumptionWarning
 from numba.extending import intrinsic, overload
 
@@ -45,26 +50,116 @@ ROW_BLOCK = 1024  # elements per fp32 partial sum along a row (then combined in 
 _PACKAGE = pathlib.Path(__file__).parent
 
 
-def configure_cache() -> str | None:
-    """Numba's on-disk cache: NUMBA_CACHE_DIR when set, else a user cache dir keyed by these sources.
+# Kernel cache folders of other code versions kept beside the one in use: at most this many (the most
+# recently used), none unused for longer than CACHE_MAX_IDLE_S.
+CACHE_KEEP = 8
+CACHE_MAX_IDLE_S = 30 * 24 * 3600
 
-    Numba keys a cached kernel by its own file only; keying the directory by a hash of every
-    module here (and Numba's version) keeps a kernel from loading against a changed helper
-    (the package's __init__, which holds no kernel, is left out).
+
+def cache_key() -> str:
+    """What decides the kernels' machine code, except the CPU: the sources of every module here (the
+    package's __init__ holds no kernel and is left out), Numba's, llvmlite's and Python's versions.
+
+    Numba's index keys each compiled kernel by the CPU (its name and features) itself, so one
+    folder serves every CPU that shares it. The install path is not part of it.
     """
-    if os.environ.get("NUMBA_CACHE_DIR"):
-        return numba.config.CACHE_DIR
-    digest = hashlib.sha256(numba.__version__.encode())
+    versions = f"numba {numba.__version__} llvmlite {llvmlite.__version__} python {sys.version_info[:2]}"
+    digest = hashlib.sha256(versions.encode())
     for path in [*sorted(_PACKAGE.glob("[!_]*.py")), _PACKAGE / "_jit.py", _PACKAGE / "_reduce.py"]:
         digest.update(path.name.encode() + path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def cache_root() -> pathlib.Path:
+    """The folder that holds one kernel folder per code version: under NUMBA_CACHE_DIR when set
+    (an image's warm cache), else under the user's cache directory."""
+    if os.environ.get("NUMBA_CACHE_DIR"):
+        return pathlib.Path(os.environ["NUMBA_CACHE_DIR"]) / "aclnn-serve"
     base = pathlib.Path(os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache")
-    cache_dir = base / "aclnn-serve" / "numba" / digest.hexdigest()[:16]
+    return base / "aclnn-serve" / "numba"
+
+
+def configure_cache() -> str | None:
+    """Makes Numba cache this package's kernels in `cache_root()/cache_key()`; returns that folder, or
+    None when it cannot be written (kernels then compile in each process, or go where Numba's own
+    locators put them).
+
+    Numba's own locators name a kernel's folder after its source file's directory, so an editable
+    and a regular install of the same code each compiled everything (KernelCacheLocator). Folders of
+    other code versions are pruned here (`prune_cache`).
+    """
+    if KernelCacheLocator.directory is not None:
+        return KernelCacheLocator.directory
+    root = cache_root()
+    key = cache_key()
+    directory = root / key
     try:
-        cache_dir.mkdir(parents=True, exist_ok=True)
+        directory.mkdir(parents=True, exist_ok=True)
+        os.utime(directory)  # its last use, which pruning goes by
     except OSError:
-        return None  # no writable cache: kernels compile in each process
-    numba.config.CACHE_DIR = str(cache_dir)
-    return str(cache_dir)
+        return None
+    prune_cache(root, directory)
+    KernelCacheLocator.install(str(directory), key)
+    return str(directory)
+
+
+def prune_cache(root: pathlib.Path, current: pathlib.Path) -> list[pathlib.Path]:
+    """Removes kernel folders of other code versions unused for CACHE_MAX_IDLE_S, and all but the
+    CACHE_KEEP - 1 most recently used of the rest; returns those removed. Only folders named like a
+    cache key are touched (NUMBA_CACHE_DIR may hold other things)."""
+
+    def last_use(folder: pathlib.Path) -> float:
+        try:
+            return folder.stat().st_mtime
+        except OSError:
+            return 0.0
+
+    try:
+        others = [p for p in root.iterdir() if p != current and re.fullmatch(r"[0-9a-f]{16}", p.name) and p.is_dir()]
+    except OSError:
+        return []
+    others.sort(key=last_use, reverse=True)
+    now = time.time()
+    removed = [p for rank, p in enumerate(others) if rank >= CACHE_KEEP - 1 or now - last_use(p) > CACHE_MAX_IDLE_S]
+    for folder in removed:
+        shutil.rmtree(folder, ignore_errors=True)
+    return removed
+
+
+class KernelCacheLocator(caching._CacheLocator):
+    """Numba's cache locator for this package's kernels: the folder `configure_cache` picked, whatever
+    path the package is installed at, and the cache key as the source stamp (the kernels' own helpers
+    live in other files, which Numba's per-file stamp would miss). Numba still keys each entry by
+    signature, CPU and bytecode."""
+
+    directory: ClassVar[str | None] = None
+    stamp: ClassVar[str] = ""
+
+    def __init__(self, lineno: int) -> None:
+        self._lineno = lineno
+
+    def get_cache_path(self) -> str:
+        return self.directory
+
+    def get_source_stamp(self) -> str:
+        return self.stamp
+
+    def get_disambiguator(self) -> str:
+        return str(self._lineno)
+
+    @classmethod
+    def from_function(cls, py_func: Any, py_file: str) -> KernelCacheLocator | None:
+        if cls.directory is None or pathlib.Path(py_file).resolve().parent != _PACKAGE.resolve():
+            return None  # not a kernel of this package: Numba's own locators decide
+        return cls(py_func.__code__.co_firstlineno)
+
+    @classmethod
+    def install(cls, directory: str, stamp: str) -> None:
+        """Puts this locator first in Numba's list (asked for every function with cache=True)."""
+        cls.directory, cls.stamp = directory, stamp
+        impl = getattr(caching, "CacheImpl", None) or caching._CacheImpl  # renamed in Numba 0.61
+        if cls not in impl._locator_classes:
+            impl._locator_classes.insert(0, cls)
 
 
 def pin_threading_layer() -> None:
@@ -154,13 +249,11 @@ def compile_counts() -> tuple[int, int]:
 
 
 def cache_is_warm() -> bool:
-    """Whether Numba's disk cache holds an index for every kernel defined (a start then compiles nothing)."""
-    if not numba.config.CACHE_DIR:
+    """Whether the kernel cache holds an index for every kernel defined (a start then compiles nothing,
+    unless the cache was filled on another CPU)."""
+    if KernelCacheLocator.directory is None:
         return False
-    from numba.core.caching import _CacheLocator
-
-    # Numba keeps this package's kernels in a subdirectory named after the package's own path.
-    directory = pathlib.Path(numba.config.CACHE_DIR) / _CacheLocator.get_suitable_cache_subpath(str(_PACKAGE / "_"))
+    directory = pathlib.Path(KernelCacheLocator.directory)
     indexed = {tuple(path.name.split("-")[0].split(".")[:2]) for path in directory.glob("*.nbi")}
     return all((kernel.func.__module__.rpartition(".")[2], kernel.__name__) in indexed for kernel in lazy_njit.all)
 

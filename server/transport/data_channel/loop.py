@@ -38,6 +38,7 @@ from google.rpc import code_pb2, status_pb2
 from aclnn_common._proto import aclnn_pb2 as pb
 from aclnn_common.framing import MAGIC, REPLY, ConnectionLost
 
+from ...config import OptionError, options_at_fault
 from ...engine import CallContext
 from ..service import AclnnService
 from .connection import Connection, Limits, ProtocolError
@@ -88,15 +89,16 @@ class DataChannelServer:
                 self._listeners.append((listener, False))
                 # A restarted server takes its port back at once, whatever connections linger in TIME_WAIT.
                 listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                listener.bind((host, port))
-                listener.listen(socket.SOMAXCONN)
+                with options_at_fault(host=host, data_port=port):
+                    listener.bind((host, port))
+                    listener.listen(socket.SOMAXCONN)
                 self.port = listener.getsockname()[1]
             if unix_socket is not None:
                 try:
                     self._listeners.append((self._unix_listener(unix_socket), True))
                 except OSError as exc:
                     if unix_socket != "auto":
-                        raise
+                        raise OptionError(f"--unix-socket {unix_socket}: {exc}") from exc
                     log.warning("no Unix socket for the data channel (%s): clients on this host use TCP", exc)
         except BaseException:
             self._close_listeners()
