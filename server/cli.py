@@ -58,7 +58,7 @@ def _explain(error: ValidationError) -> str:
     lines = []
     for e in error.errors():
         if e["loc"]:
-            lines.append(f"  --{'-'.join(str(p) for p in e['loc']).replace('_', '-')} {e.get('input')!r}: {e['msg']}")
+            lines.append(f"  --{'-'.join(str(p) for p in e['loc']).replace('_', '-')} {e.get('input')}: {e['msg']}")
         else:  # a check across options, whose message names the flags and values itself
             lines.append(f"  {e['ctx']['error'] if e['type'] == 'value_error' else e['msg']}")
     return "invalid configuration:\n" + "\n".join(lines)

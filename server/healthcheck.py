@@ -1,39 +1,47 @@
-"""`python -m aclnn_server.healthcheck`: exit 0 only when the local server reports SERVING.
+"""`python -m aclnn_server.healthcheck`: exit 0 only when the server it is pointed at reports SERVING.
 
-For container HEALTHCHECKs and Kubernetes exec probes, which must speak the server's TLS: the probe
-reads the server's own settings (`ACLNN_*` variables and the `ACLNN_CONFIG` file, as `aclnn-serve`
-does) and connects to the port the server listens on, on loopback when it binds every address.
+For container HEALTHCHECKs and Kubernetes exec probes, which must speak the server's TLS. The probe
+takes the server's own settings: its flags (`--host`, `--port`, `--tls-cert`, `--tls-key`,
+`--tls-client-ca`, `--insecure`, `--config`), each defaulting to the server's `ACLNN_*` variable and
+the `ACLNN_CONFIG` file, as `aclnn-serve` reads them; it dials that address (on loopback when it is
+a wildcard such as 0.0.0.0). It never guesses another server, and refuses arguments it does not know.
 
-With TLS, the probe verifies the server's certificate against `ACLNN_HEALTHCHECK_CA` (the CA that
-issued it, e.g. the `ca.crt` of a cert-manager Secret), else against the server's own certificate
-file (`ACLNN_TLS_CERT`, trusted as it stands: a self-signed certificate, or the chain's
-intermediates). It checks the name the certificate was issued for, not the loopback address the probe
-dials: a certificate for a Service's DNS name has no IP address to match. With mutual TLS the probe
-presents `ACLNN_HEALTHCHECK_CERT`/`ACLNN_HEALTHCHECK_KEY`, else the server's own certificate and key,
-which the server accepts only when its client CA issued them for client use too.
+With TLS, the probe verifies the server's certificate against `--ca` (`ACLNN_HEALTHCHECK_CA`: the CA
+that issued it, e.g. the `ca.crt` of a cert-manager Secret), else against the server's own certificate
+file (`--tls-cert`, trusted as it stands: a self-signed certificate, or the chain's intermediates). It
+checks the name the certificate was issued for, not the loopback address the probe dials: a
+certificate for a Service's DNS name has no IP address to match. With mutual TLS the probe presents
+`--cert`/`--key` (`ACLNN_HEALTHCHECK_CERT`/`ACLNN_HEALTHCHECK_KEY`), else the server's own certificate
+and key, which the server accepts only when its client CA issued them for client use too.
 
-Exit status: 0 SERVING; 1 anything else (NOT_SERVING, unreachable, TLS refused); 2 unusable settings.
+Exit status: 0 SERVING; 1 anything else (NOT_SERVING, unreachable, TLS refused); 2 unusable settings
+or arguments.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import pathlib
 import socket
 import ssl
 import sys
+from collections.abc import Sequence
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pydantic import ValidationError
 
-from .config import ServerOptions, load_options
+from .config import ServerOptions, flag, load_options
 
 SERVICE = "aclnn.v1.Aclnn"
 TIMEOUT_S = 3.0
 # The probe's own settings, beside the server's.
 CA_VARIABLE, CERT_VARIABLE, KEY_VARIABLE = "ACLNN_HEALTHCHECK_CA", "ACLNN_HEALTHCHECK_CERT", "ACLNN_HEALTHCHECK_KEY"
 VARIABLES = (CA_VARIABLE, CERT_VARIABLE, KEY_VARIABLE)
+PROBE_FILES = {"ca": CA_VARIABLE, "cert": CERT_VARIABLE, "key": KEY_VARIABLE}  # flag -> its variable
+# The server's options the probe takes as flags (each defaults to its ACLNN_* variable, then the config file).
+SERVER_FLAGS = ("host", "port", "tls_cert", "tls_key", "tls_client_ca", "insecure")
 _WILDCARD_HOST = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}
 
 
@@ -49,22 +57,29 @@ def target(options: ServerOptions) -> str:
     return f"[{host}]:{options.port}" if ":" in host else f"{host}:{options.port}"
 
 
-def _file(variable: str, fallback: pathlib.Path | None) -> pathlib.Path | None:
-    value = os.environ.get(variable)
-    path = pathlib.Path(value) if value else fallback
+def _file(flag: str, given: pathlib.Path | None, fallback: pathlib.Path | None) -> pathlib.Path | None:
+    """The probe's own file: its flag, else its ACLNN_HEALTHCHECK_* variable, else the server's file."""
+    variable = PROBE_FILES[flag]
+    value = given or (pathlib.Path(os.environ[variable]) if os.environ.get(variable) else None)
+    path = value or fallback
     if path is not None and not path.is_file():
-        raise ProbeError(f"{variable if value else 'the fallback'} {path} is not a readable file")
+        raise ProbeError(f"{f'--{flag}' if value else 'the fallback'} {path} is not a readable file")
     return path
 
 
-def tls_files(options: ServerOptions) -> tuple[pathlib.Path, pathlib.Path | None, pathlib.Path | None]:
-    """Roots to verify the server with, and the client certificate and key to present (mutual TLS)."""
-    roots = _file(CA_VARIABLE, options.tls_cert)
+def tls_files(
+    options: ServerOptions, probe: dict[str, pathlib.Path | None]
+) -> tuple[pathlib.Path, pathlib.Path | None, pathlib.Path | None]:
+    """Roots to verify the server with, and the client certificate and key to present (mutual TLS).
+
+    `probe` holds the probe's own flags (ca, cert, key), each None when not given."""
+    roots = _file("ca", probe.get("ca"), options.tls_cert)
     if options.tls_client_ca is None:
         return roots, None, None
-    if bool(os.environ.get(CERT_VARIABLE)) != bool(os.environ.get(KEY_VARIABLE)):
-        raise ProbeError(f"{CERT_VARIABLE} and {KEY_VARIABLE} go together")
-    return roots, _file(CERT_VARIABLE, options.tls_cert), _file(KEY_VARIABLE, options.tls_key)
+    given = {name: bool(probe.get(name) or os.environ.get(PROBE_FILES[name])) for name in ("cert", "key")}
+    if given["cert"] != given["key"]:
+        raise ProbeError(f"--cert and --key ({CERT_VARIABLE} and {KEY_VARIABLE}) go together")
+    return roots, _file("cert", probe.get("cert"), options.tls_cert), _file("key", probe.get("key"), options.tls_key)
 
 
 def certified_name(
@@ -97,11 +112,11 @@ def certified_name(
     return common[0]
 
 
-def channel(options: ServerOptions, address: str) -> grpc.Channel:
+def channel(options: ServerOptions, address: str, probe: dict[str, pathlib.Path | None]) -> grpc.Channel:
     """A channel to the server, with its TLS (verified by name, see certified_name) when it has TLS."""
     if options.tls_cert is None:
         return grpc.insecure_channel(address)
-    roots, cert, key = tls_files(options)
+    roots, cert, key = tls_files(options, probe)
     name = certified_name(address, roots, cert, key)
     credentials = grpc.ssl_channel_credentials(
         roots.read_bytes(), key.read_bytes() if key else None, cert.read_bytes() if cert else None
@@ -109,15 +124,52 @@ def channel(options: ServerOptions, address: str) -> grpc.Channel:
     return grpc.secure_channel(address, credentials, [("grpc.ssl_target_name_override", name)] if name else [])
 
 
-def main() -> int:
-    config = os.environ.get("ACLNN_CONFIG")
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m aclnn_server.healthcheck",
+        description="Exit 0 when the aclnn-serve server at --host/--port reports SERVING (1: it does not, or "
+        "cannot be reached; 2: unusable settings).",
+        epilog="The server's flags default to the server's own ACLNN_* variables and ACLNN_CONFIG file, as "
+        "aclnn-serve reads them; a flag given here wins.",
+    )
+    parser.add_argument(
+        "--config",
+        type=pathlib.Path,
+        default=os.environ.get("ACLNN_CONFIG"),
+        help="the server's TOML or JSON options file (env ACLNN_CONFIG)",
+    )
+    for name in SERVER_FLAGS:
+        field = ServerOptions.model_fields[name]
+        text = f"the server's {flag(name)}: {field.description} (env ACLNN_{name.upper()})"
+        kind: dict = {"action": "store_true"} if field.annotation is bool else {"type": int if name == "port" else str}
+        parser.add_argument(flag(name), default=argparse.SUPPRESS, help=text, **kind)
+    parser.add_argument(
+        "--ca",
+        type=pathlib.Path,
+        help=f"the CA to verify the server's certificate with (env {CA_VARIABLE}; "
+        "default: the server's --tls-cert, trusted as it stands)",
+    )
+    parser.add_argument(
+        "--cert",
+        type=pathlib.Path,
+        help=f"the probe's client certificate for mutual TLS (env {CERT_VARIABLE}; default: the server's own)",
+    )
+    parser.add_argument("--key", type=pathlib.Path, help=f"the key of --cert (env {KEY_VARIABLE})")
+    parser.add_argument("--timeout", type=float, default=TIMEOUT_S, help=f"seconds to wait (default {TIMEOUT_S})")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    flags = vars(build_parser().parse_args(argv))  # an unknown argument exits with status 2
+    config, timeout = flags.pop("config"), flags.pop("timeout")
+    probe = {name: flags.pop(name) for name in PROBE_FILES}
     address = "the server"
     try:
-        options = load_options({}, pathlib.Path(config) if config else None)
+        options = load_options(flags, pathlib.Path(config) if config else None)
         address = target(options)
-        with channel(options, address) as probe:
-            reply = health_pb2_grpc.HealthStub(probe).Check(
-                health_pb2.HealthCheckRequest(service=SERVICE), timeout=TIMEOUT_S
+        with channel(options, address, probe) as server:
+            reply = health_pb2_grpc.HealthStub(server).Check(
+                health_pb2.HealthCheckRequest(service=SERVICE), timeout=timeout
             )
     except OSError as error:  # unreachable, or TLS refused (ssl.SSLError; checked first: some are ValueErrors too)
         print(f"{address}: {error}", file=sys.stderr)

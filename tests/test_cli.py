@@ -6,6 +6,7 @@ import os
 import pathlib
 import re
 import signal
+import socket
 import subprocess
 import sys
 
@@ -88,19 +89,48 @@ def test_flags_beat_environment_beat_config_file(tmp_path):
     assert '"max_queue":3' in options and '"max_executors":6' in options and '"executor_ttl_s":8.0' in options
 
 
+@pytest.fixture(scope="module")
+def bad_files(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    """A file that is no PEM, an empty token file, and a plain file where a socket would go."""
+    folder = tmp_path_factory.mktemp("bad")
+    (folder / "junk.pem").write_text("not a certificate\n")
+    (folder / "tokens").write_text("# no token here\n\n")
+    (folder / "plain").write_text("")
+    return folder
+
+
 @pytest.mark.parametrize(
     "args,message",
     [
-        (["--port", "70000"], "--port: Input should be less than or equal to 65535"),
-        (["--host", "0.0.0.0"], "not loopback"),
-        (["--tls-cert", "/nonexistent.pem", "--tls-key", "/nonexistent.key"], "is not a readable file"),
+        (["--port", "70000"], "--port 70000: Input should be less than or equal to 65535"),
+        (["--host", "0.0.0.0"], "--host 0.0.0.0 is not loopback"),
+        (["--tls-cert", "/nonexistent.pem", "--tls-key", "/nonexistent.key"], "--tls-cert /nonexistent.pem is not a"),
+        (["--auth-token-file", "/nonexistent"], "--auth-token-file /nonexistent is not a readable file"),
+        (["--tls-cert", "{bad}/junk.pem", "--tls-key", "{bad}/junk.pem"], "--tls-cert {bad}/junk.pem --tls-key {bad}/"),
         (["--config", "/dev/null/aclnn.toml"], "--config /dev/null/aclnn.toml is not a readable file"),
-        (["--config", __file__], "--config"),  # not TOML
+        (["--config", __file__], f"--config {__file__}:"),  # not TOML
     ],
 )
-def test_invalid_configuration_is_a_clear_error(args, message):
+def test_invalid_configuration_is_a_clear_error(args, message, bad_files):
+    args = [a.format(bad=bad_files) for a in args]
     result = subprocess.run([sys.executable, "-m", "aclnn_server", *args], capture_output=True, text=True, timeout=30)
-    assert result.returncode == 2 and message in result.stderr, result.stderr
+    assert result.returncode == 2 and message.format(bad=bad_files) in result.stderr, result.stderr
+
+
+def test_a_client_ca_that_is_no_pem_is_named(bad_files):
+    """--tls-client-ca is read at start too: a file of another kind is named, not reported as a failed bind."""
+    from certs import make_certificates
+
+    (bad_files / "certs").mkdir(exist_ok=True)
+    certs = make_certificates(bad_files / "certs")
+    tls = ["--tls-cert", str(certs.path("server-dns.pem")), "--tls-key", str(certs.path("server-dns.key"))]
+    result = subprocess.run(
+        [sys.executable, "-m", "aclnn_server", *tls, "--tls-client-ca", str(bad_files / "junk.pem")],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert result.returncode == 2 and f"--tls-client-ca {bad_files}/junk.pem: not a PEM bundle" in result.stderr
 
 
 def test_unknown_backend_is_a_clear_error():
@@ -110,17 +140,38 @@ def test_unknown_backend_is_a_clear_error():
     assert result.returncode == 2 and "invalid choice: 'tpu'" in result.stderr
 
 
-def test_port_in_use_is_a_clear_error():
-    proc, address = start()
-    try:
-        port = address.rsplit(":", 1)[1]
-        result = subprocess.run(
-            [sys.executable, "-m", "aclnn_server", "--port", port], capture_output=True, text=True, timeout=30
-        )
-        assert result.returncode == 1 and "cannot" in result.stderr
-    finally:
-        proc.terminate()
-        proc.wait(timeout=20)
+def cannot_start(*args: str) -> str:
+    """The error of a server that fails to start with these flags (exit status 1)."""
+    result = subprocess.run(
+        [sys.executable, "-m", "aclnn_server", "--backend", "numpy", *args], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 1, result.stderr
+    return result.stderr
+
+
+@pytest.mark.parametrize("flag", ["--port", "--data-port", "--metrics-port"])
+def test_a_port_in_use_is_named_with_its_flag(flag):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        ports = {"--port": "0", "--data-port": "0", "--metrics-port": "0", flag: str(port)}
+        error = cannot_start(*[item for pair in ports.items() for item in pair])
+    assert f"--host 127.0.0.1 {flag} {port}: " in error and "Address already in use" in error, error
+
+
+@pytest.mark.parametrize(
+    "path,reason", [("/nonexistent/dir/x.sock", "No such file or directory"), ("{bad}/plain", "is not a socket")]
+)
+def test_an_unusable_unix_socket_path_is_named(bad_files, path, reason):
+    path = path.format(bad=bad_files)
+    error = cannot_start("--port", "0", "--unix-socket", path)
+    assert f"--unix-socket {path}: " in error and reason in error, error
+
+
+def test_a_token_file_without_tokens_is_named(bad_files):
+    error = cannot_start("--port", "0", "--auth-token-file", str(bad_files / "tokens"))
+    assert f"--auth-token-file {bad_files}/tokens: " in error and "holds no token" in error, error
 
 
 def test_npu_backend_without_cann_is_a_clear_error():
@@ -132,4 +183,4 @@ def test_npu_backend_without_cann_is_a_clear_error():
         timeout=60,
         env=env,
     )
-    assert result.returncode == 1 and "libascendcl.so" in result.stderr, result.stderr
+    assert result.returncode == 1 and "--backend npu: " in result.stderr and "libascendcl.so" in result.stderr

@@ -31,14 +31,22 @@ def token_file(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
     return path
 
 
-def probe(port: int | str, **settings: object) -> subprocess.CompletedProcess:
-    """The healthcheck module with exactly these ACLNN_* settings (none inherited from this process)."""
+def probe(port: int | str | None, *args: str, **settings: object) -> subprocess.CompletedProcess:
+    """The healthcheck module with these arguments and exactly these ACLNN_* settings (none inherited)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("ACLNN_")}
-    env["ACLNN_PORT"] = str(port)
+    if port is not None:
+        env["ACLNN_PORT"] = str(port)
     env.update({f"ACLNN_{name.upper()}": str(value) for name, value in settings.items()})
     return subprocess.run(
-        [sys.executable, "-m", "aclnn_server.healthcheck"], capture_output=True, text=True, timeout=60, env=env
+        [sys.executable, "-m", "aclnn_server.healthcheck", *args], capture_output=True, text=True, timeout=60, env=env
     )
+
+
+def free_port() -> int:
+    """A port nothing listens on once this returns."""
+    with socket.socket() as unused:
+        unused.bind(("127.0.0.1", 0))
+        return unused.getsockname()[1]
 
 
 def port_of(address: str) -> int:
@@ -104,9 +112,7 @@ def test_not_serving(serve):
 
 
 def test_no_server():
-    with socket.socket() as unused:  # a port nothing listens on once this closes
-        unused.bind(("127.0.0.1", 0))
-        port = unused.getsockname()[1]
+    port = free_port()
     result = probe(port)
     assert result.returncode == 1
     assert "UNAVAILABLE" in result.stderr
@@ -116,3 +122,47 @@ def test_unusable_settings():
     """Port 0 (the server picked one) cannot be probed; neither can settings the server would refuse."""
     assert probe(0).returncode == 2
     assert probe(50051, host="0.0.0.0").returncode == 2  # beyond loopback without TLS and tokens
+
+
+def test_flags_point_the_probe_and_win_over_the_environment(serve):
+    """--port and --host name the server probed; the server's own settings (ACLNN_PORT here) are only defaults,
+    and a probe pointed elsewhere never reports on the server those settings name."""
+    served = port_of(serve().address)
+    elsewhere = free_port()
+    result = probe(served, "--port", str(elsewhere))
+    assert result.returncode == 1 and "SERVING" not in result.stdout
+    assert f"127.0.0.1:{elsewhere}: UNAVAILABLE" in result.stderr
+    result = probe(elsewhere, "--host", "127.0.0.1", "--port", str(served))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == f"127.0.0.1:{served}: SERVING"
+    assert probe(None, "--port", str(served)).returncode == 0  # no ACLNN_* setting at all
+
+
+def test_tls_settings_as_flags(serve, certs):
+    """A TLS server probed with flags alone: the server's certificate and key, and the CA that issued them."""
+    tls = dict(tls_cert=certs.path("server-dns.pem"), tls_key=certs.path("server-dns.key"))
+    port = port_of(serve(**tls).address)
+    flags = ["--tls-cert", str(tls["tls_cert"]), "--tls-key", str(tls["tls_key"])]
+    assert probe(None, "--port", str(port), *flags, "--ca", str(certs.path("ca.pem"))).returncode == 0
+    assert probe(None, "--port", str(port)).returncode == 1  # plaintext to a TLS server: refused
+
+
+def test_mutual_tls_settings_as_flags(serve, certs):
+    tls = dict(
+        tls_cert=certs.path("server-dns.pem"), tls_key=certs.path("server-dns.key"), tls_client_ca=certs.path("ca.pem")
+    )
+    port = port_of(serve(**tls).address)
+    flags = [f"--{name.replace('_', '-')}={path}" for name, path in tls.items()]
+    mine = ["--cert", str(certs.path("client.pem")), "--key", str(certs.path("client.key"))]
+    assert probe(None, "--port", str(port), *flags, *mine).returncode == 0
+    result = probe(None, "--port", str(port), *flags, "--cert", str(certs.path("client.pem")))
+    assert result.returncode == 2 and "--cert and --key" in result.stderr
+
+
+def test_help_and_unknown_arguments():
+    help_text = probe(None, "--help").stdout
+    for flag in ("--host", "--port", "--tls-cert", "--tls-key", "--tls-client-ca", "--ca", "--cert", "--key"):
+        assert flag in help_text
+    result = probe(50051, "--prot", "50099")
+    assert result.returncode == 2 and "unrecognized arguments: --prot" in result.stderr
+    assert result.stdout == ""
