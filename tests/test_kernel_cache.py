@@ -64,9 +64,8 @@ def test_the_key_follows_the_kernels_sources_not_their_path(tmp_path):
     """The same sources anywhere: one key; a changed kernel module or helper: another."""
     key = _jit.cache_key()
     kernel_dir = install_copy(tmp_path / "site") / "aclnn_server" / "backends" / "cpu"
-    probe = (
-        "import sys; sys.path.insert(0, sys.argv[1]); from aclnn_server.backends.cpu import _jit; print(_jit.cache_key())"
-    )
+    probe = "import sys; sys.path.insert(0, sys.argv[1]); from aclnn_server.backends.cpu import _jit; "
+    probe += "print(_jit.cache_key())"
 
     def key_of(site: pathlib.Path) -> str:
         result = subprocess.run([sys.executable, "-c", probe, str(site)], capture_output=True, text=True, check=True)
