@@ -108,3 +108,10 @@ def test_documented_null_checks_come_in_the_documented_order(server, name):
         with pytest.raises(AclnnError) as caught:
             server.get_workspace_size(name, **given)
         assert (caught.value.code, caught.value.param) == (161001, missing)
+
+
+def test_the_create_tensor_examples_run():
+    """The worked create_tensor examples (NHWC, a channel-first view tagged NHWC, 5-D) run as written."""
+    text = subsection("Reading this reference", "Tensors with a format tag: `create_tensor`")
+    (block,) = re.findall(r"```python\n(.*?)```", text, re.S)
+    exec(compile(block, "docs/operators.md", "exec"), {})
