@@ -112,7 +112,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "backend %s%s; operators %s; max concurrency %d, queue %d; memory budget %d MiB, %d MiB per tenant; "
         "auth %s; tls %s; data channel %s; metrics %s",
         engine.backend.name,
-        "" if engine.loaded.is_set() else f" until {options.backend} has loaded the best one here",
+        "" if engine.loaded.is_set() else " (auto: the reference until the best backend here has loaded)",
         ", ".join(sorted(engine.operators)),
         options.max_concurrency,
         options.max_queue,
