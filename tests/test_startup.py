@@ -109,7 +109,8 @@ def served_correctly(client, rng: np.random.Generator) -> None:
 
 
 def cache_env(**extra: str) -> dict[str, str]:
-    return {**{k: v for k, v in os.environ.items() if k != "NUMBA_CACHE_DIR"}, **extra}
+    """This process's environment (so the kernel cache the session's start filled), with `extra`."""
+    return {**os.environ, **extra}
 
 
 def test_auto_listens_and_serves_at_once_then_switches_to_cpu(rng):
@@ -197,7 +198,7 @@ def test_a_cold_cache_is_announced_auto_serves_meanwhile_and_cpu_refuses_as_star
     """A machine without the kernels in its cache: `auto` announces the compile, listens and serves at once
     (from the reference), and switches to the cpu kernels once they are built; a server started with
     `--backend cpu` meanwhile is NOT_SERVING, prints no `listening on`, and refuses calls as starting."""
-    env = cache_env(XDG_CACHE_HOME=str(tmp_path))
+    env = {k: v for k, v in cache_env(XDG_CACHE_HOME=str(tmp_path)).items() if k != "NUMBA_CACHE_DIR"}
     server = ServerProcess(env, backend="auto")
     try:
         server.wait_for(r"compiling its kernels", timeout=60)
