@@ -193,12 +193,13 @@ class Engine:
             raise BackendStarting(self._backend_name, time.monotonic() - self._loading_since)
         return backend
 
-    def close(self) -> None:
-        """Releases the backend this engine created (a device's context); one still loading is released once loaded."""
+    def close(self, *, backend_too: bool = False) -> None:
+        """Releases the backend (a device's context) when this engine created it, or `backend_too` (a
+        server releases the one it was given); one still loading is released once loaded."""
         with self._lock:
             self._closed = True
             backend = self._backend
-        if self._owns_backend:
+        if self._owns_backend or backend_too:
             _close(backend)
 
     @property

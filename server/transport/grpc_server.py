@@ -354,7 +354,7 @@ class AclnnServer:
             self._health_pool.shutdown(wait=False)
             self.metrics.close()
             self.storage.close()
-            self.engine.close()
+            self.engine.close(backend_too=True)
             stopped.set()
 
         threading.Thread(target=release, name="aclnn-release", daemon=True).start()
