@@ -86,8 +86,8 @@ def warm_up(progress: Callable[[str], None] | None = None) -> float:
                     progress,
                     logging.WARNING,
                     f"cpu backend: compiling its kernels into {_jit.configure_cache() or '(no writable cache)'}: "
-                    "about 2 minutes on 2 cores, once per machine and code version; later starts load them "
-                    "in seconds, wherever the package is installed",
+                    "about 3 minutes of CPU (longer on a busy machine), once per machine and code version; later "
+                    "starts load them in seconds, wherever the package is installed",
                 )
             for done, (op, module) in enumerate(modules.items(), 1):
                 module.warm_up()
