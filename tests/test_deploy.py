@@ -17,6 +17,7 @@ import tomllib
 
 import pytest
 import yaml
+from certs import make_certificates
 
 from aclnn_server import ServerOptions
 from aclnn_server.healthcheck import VARIABLES as HEALTHCHECK_VARIABLES
@@ -80,12 +81,16 @@ def test_rendered_variant_validates_strictly(variant, tmp_path):
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_rendered_options_load(variant, tmp_path, monkeypatch):
-    """The server would start on the rendered environment (its files stood in for by empty ones)."""
+    """The server would start on the rendered environment (its Secrets' files stood in for by real ones)."""
+    certs = make_certificates(tmp_path)
+    stand_ins = {"tls.crt": "server-dns.pem", "tls.key": "server-dns.key", "ca.crt": "ca.pem"}
     for name, value in env(variant).items():
         if name.startswith("ACLNN_"):
             if value.startswith("/etc/aclnn/"):
-                value = tmp_path / pathlib.Path(value).name
-                value.touch()
+                file = pathlib.Path(value).name
+                value = certs.path(stand_ins[file]) if file in stand_ins else tmp_path / file
+                if file not in stand_ins:
+                    value.write_text("a-token\n")
             monkeypatch.setenv(name, str(value))
     ServerOptions()
 
