@@ -34,10 +34,18 @@ def client_id(client: BaseClient) -> int:
 
 
 def client_by_id(cid: int) -> BaseClient:
+    if not cid:  # a layer unpickled (torch.save/torch.load) comes back without its client
+        raise invalid_error(
+            "client",
+            "this offloaded layer has no client: a saved model is loaded without its connection "
+            "(torch.save/torch.load, pickle); call offload_norms(model, client) again after loading",
+        )
     client = live_client(int(cid))
     if client is None:
         raise invalid_error(
-            "client", f"client #{cid} of this offloaded call no longer exists (it was garbage collected)"
+            "client",
+            f"client #{cid} of this offloaded call no longer exists (it was garbage collected): "
+            "call offload_norms(model, client) with a live client",
         )
     return client
 

@@ -3,6 +3,7 @@ offloaded op; `restore_norms` swaps it back."""
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch.distributed as dist
@@ -11,6 +12,7 @@ from torch import Tensor, nn
 from aclnn_common.api import BaseClient
 
 from .clients import client_id
+from .local import unserved_dtype, warn_not_served
 from .ops.batch_norm import batch_norm_with_id
 from .ops.group_norm import group_norm_with_id
 from .ops.layer_norm import layer_norm_with_id
@@ -36,12 +38,31 @@ class _Binding:
         return _Binding, (None,)
 
 
+_warned: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # layers that said they run in PyTorch
+
+
+def _runs_in_pytorch(layer: nn.Module, input: Tensor) -> bool:
+    """Whether a tensor of the layer has a dtype the service lacks (see local.py): then the layer runs
+    PyTorch's own forward and backward, and says so once, by its name in the offloaded model."""
+    dtype = unserved_dtype(input, *layer.parameters(recurse=False), *layer.buffers(recurse=False))
+    if dtype is None:
+        return False
+    if layer not in _warned:
+        _warned.add(layer)
+        name = getattr(layer, "_aclnn_name", "")
+        what = type(layer).__name__.removeprefix("Offloaded")
+        warn_not_served(f"offloaded layer {name!r} ({what})" if name else f"an offloaded {what}", dtype, stacklevel=4)
+    return True
+
+
 class _OffloadedLayerNorm:
     """nn.LayerNorm's forward with the remote backward."""
 
     _aclnn: _Binding
 
     def forward(self, input: Tensor) -> Tensor:
+        if _runs_in_pytorch(self, input):
+            return super().forward(input)
         return layer_norm_with_id(input, self.normalized_shape, self.weight, self.bias, self.eps, self._aclnn.id)
 
 
@@ -51,6 +72,8 @@ class _OffloadedBatchNorm:
     _aclnn: _Binding
 
     def forward(self, input: Tensor) -> Tensor:
+        if _runs_in_pytorch(self, input):
+            return super().forward(input)
         self._check_input_dim(input)
         running_mean, running_var, bn_training, factor = self._batch_norm_arguments()
         return batch_norm_with_id(
@@ -81,6 +104,8 @@ class _OffloadedSyncBatchNorm(_OffloadedBatchNorm):
         self._aclnn = _Binding(client)
 
     def forward(self, input: Tensor) -> Tensor:
+        if _runs_in_pytorch(self, input):
+            return super().forward(input)  # nn.SyncBatchNorm's, through the offloaded BatchNorm's check
         self._check_input_dim(input)
         self._check_non_zero_input_channels(input)
         running_mean, running_var, bn_training, factor = self._batch_norm_arguments()
@@ -103,6 +128,8 @@ class _OffloadedRMSNorm:
     _aclnn: _Binding
 
     def forward(self, x: Tensor) -> Tensor:
+        if _runs_in_pytorch(self, x):
+            return super().forward(x)
         return rms_norm_with_id(x, self.normalized_shape, self.weight, self.eps, self._aclnn.id)
 
 
@@ -112,6 +139,8 @@ class _OffloadedGroupNorm:
     _aclnn: _Binding
 
     def forward(self, input: Tensor) -> Tensor:
+        if _runs_in_pytorch(self, input):
+            return super().forward(input)
         return group_norm_with_id(input, self.num_groups, self.weight, self.bias, self.eps, self._aclnn.id)
 
 
@@ -149,18 +178,22 @@ def offload_norms(module: nn.Module, client: BaseClient) -> nn.Module:
     Each layer's class becomes a subclass whose forward calls `layer_norm` / `batch_norm` / `rms_norm` /
     `group_norm` here:
     parameters, buffers and state_dict keys stay as they are. Subclasses that override forward
-    are left alone (their forward is not the one this replaces). Offloading again rebinds the client.
+    are left alone (their forward is not the one this replaces). Offloading again rebinds the client
+    (a model saved and loaded comes back without one: offload it again).
+
+    A layer with a tensor of a dtype the service lacks (a float64 model) runs PyTorch's own forward
+    and backward, with one NotServedWarning naming it (see local.py).
     """
     binding = _Binding(client)
-    for m in module.modules():
+    for name, m in module.named_modules():
         cls = type(m)
         if cls in _offloaded.values():
-            m._aclnn = binding
+            m._aclnn, m._aclnn_name = binding, name
             continue
         for base, stock_forward, _ in _STOCK:
             if isinstance(m, base) and cls.forward is stock_forward:
                 m.__class__ = _offloaded_class(cls)
-                m._aclnn = binding
+                m._aclnn, m._aclnn_name = binding, name
                 break
     return module
 
@@ -173,4 +206,5 @@ def restore_norms(module: nn.Module) -> nn.Module:
         if original is not None:
             m.__class__ = original
             del m._aclnn
+            m.__dict__.pop("_aclnn_name", None)
     return module

@@ -82,6 +82,11 @@ class SyncBatchNormFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor) -> tuple:
+        if torch.is_grad_enabled():  # create_graph: refused now rather than at the second backward
+            raise RuntimeError(
+                "a SyncBatchNorm offloaded by offload_norms cannot be differentiated twice (create_graph=True), "
+                "like PyTorch's own SyncBatchNorm: use BatchNorm layers where gradients are differentiated again"
+            )
         input, weight, mean, invstd, counts = ctx.saved_tensors
         need_input, need_weight, need_bias = ctx.needs_input_grad[:3]
         c = input.shape[1]

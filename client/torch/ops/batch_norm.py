@@ -6,12 +6,14 @@ import math
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from aclnn_common.api import BaseClient
 
 from ..clients import client_by_id, client_id, live_client
 from ..gradients import copy_back, empty_gradient, gradient_buffer, staged
+from ..local import differentiable_gradients, unserved_dtype, warn_not_served
 
 
 def _batch_norm_forward(
@@ -145,6 +147,11 @@ def _batch_norm_backward(ctx: Any, grad_out: Tensor, *_grad_stats: Tensor) -> tu
     mask = [need[0], need[1], need[2]]
     if not any(mask):
         return (None,) * 9
+    if torch.is_grad_enabled():  # create_graph: the gradient is differentiated again (see local.py)
+        training, eps = ctx.training, ctx.eps
+        forward = lambda x, w, b: F.batch_norm(x, running_mean, running_var, w, b, training, 0.0, eps)  # noqa: E731
+        gi, gw, gb = differentiable_gradients(forward, (input, weight, bias), mask, grad_out)
+        return gi, gw, gb, *(None,) * 6
     gi, gw, gb = _batch_norm_backward_op(
         grad_out,
         input,
@@ -179,8 +186,13 @@ def batch_norm(
 ) -> Tensor:
     """`torch.nn.functional.batch_norm` whose backward runs aclnnBatchNormBackward through `client`.
 
-    In training, the running statistics (when given) are updated in place as PyTorch does.
+    In training, the running statistics (when given) are updated in place as PyTorch does. A dtype
+    the service lacks runs PyTorch's own, with a NotServedWarning (see local.py).
     """
+    dtype = unserved_dtype(input, running_mean, running_var, weight, bias)
+    if dtype is not None:
+        warn_not_served("aclnn_client.torch.batch_norm", dtype)
+        return F.batch_norm(input, running_mean, running_var, weight, bias, training, momentum, eps)
     if momentum is None:
         raise TypeError("momentum=None (a cumulative average) needs num_batches_tracked: offload the nn.BatchNorm")
     return batch_norm_with_id(

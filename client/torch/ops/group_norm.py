@@ -6,12 +6,14 @@ import math
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from aclnn_common.api import BaseClient
 
 from ..clients import client_by_id, client_id, live_client
 from ..gradients import copy_back, empty_gradient, gradient_buffer, staged
+from ..local import differentiable_gradients, unserved_dtype, warn_not_served
 
 
 def _group_sizes(input: Tensor) -> tuple[int, int, int]:
@@ -87,21 +89,25 @@ def _group_norm_backward_fake(grad_out, input, mean, rstd, weight, num_groups, o
 
 
 def _group_norm_setup(ctx: Any, inputs: tuple, output: tuple) -> None:
-    input, num_groups, weight, _bias, _eps, client = inputs
+    input, num_groups, weight, bias, eps, client = inputs
     _out, mean, rstd = output
     ctx.mark_non_differentiable(mean, rstd)
-    ctx.save_for_backward(input, weight, mean, rstd)
-    ctx.num_groups, ctx.client = num_groups, client
+    ctx.save_for_backward(input, weight, bias, mean, rstd)
+    ctx.num_groups, ctx.eps, ctx.client = num_groups, eps, client
     ctx.keep_alive = live_client(client)
 
 
 def _group_norm_backward(ctx: Any, grad_out: Tensor, _grad_mean: Tensor, _grad_rstd: Tensor) -> tuple:
-    input, weight, mean, rstd = ctx.saved_tensors
+    input, weight, bias, mean, rstd = ctx.saved_tensors
     need = ctx.needs_input_grad
     mask = [need[0], need[2], need[3]]
     if not any(mask):
         return (None,) * 6
-    gi, gw, gb = _group_norm_backward_op(grad_out, input, mean, rstd, weight, ctx.num_groups, mask, ctx.client)
+    if torch.is_grad_enabled():  # create_graph: the gradient is differentiated again (see local.py)
+        forward = lambda x, w, b: F.group_norm(x, ctx.num_groups, w, b, ctx.eps)  # noqa: E731
+        gi, gw, gb = differentiable_gradients(forward, (input, weight, bias), mask, grad_out)
+    else:
+        gi, gw, gb = _group_norm_backward_op(grad_out, input, mean, rstd, weight, ctx.num_groups, mask, ctx.client)
     return gi if mask[0] else None, None, gw if mask[1] else None, gb if mask[2] else None, None, None
 
 
@@ -117,7 +123,12 @@ def group_norm(
     *,
     client: BaseClient,
 ) -> Tensor:
-    """`torch.nn.functional.group_norm` whose backward runs aclnnGroupNormBackward through `client`."""
+    """`torch.nn.functional.group_norm` whose backward runs aclnnGroupNormBackward through `client`
+    (PyTorch's own, with a NotServedWarning, for a dtype the service lacks: see local.py)."""
+    dtype = unserved_dtype(input, weight, bias)
+    if dtype is not None:
+        warn_not_served("aclnn_client.torch.group_norm", dtype)
+        return F.group_norm(input, num_groups, weight, bias, eps)
     return group_norm_with_id(input, num_groups, weight, bias, eps, client_id(client))
 
 

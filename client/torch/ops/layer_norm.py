@@ -6,12 +6,14 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from aclnn_common.api import BaseClient
 
 from ..clients import client_by_id, client_id, live_client
 from ..gradients import empty_gradient, gradient_buffer
+from ..local import differentiable_gradients, unserved_dtype, warn_not_served
 
 
 @torch.library.custom_op("aclnn::layer_norm", mutates_args=())
@@ -73,11 +75,11 @@ def _layer_norm_backward_fake(grad_out, input, normalized_shape, mean, rstd, wei
 
 
 def _layer_norm_setup(ctx: Any, inputs: tuple, output: tuple) -> None:
-    input, normalized_shape, weight, bias, _eps, client = inputs
+    input, normalized_shape, weight, bias, eps, client = inputs
     _out, mean, rstd = output
     ctx.mark_non_differentiable(mean, rstd)
     ctx.save_for_backward(input, weight, bias, mean, rstd)
-    ctx.normalized_shape, ctx.client = normalized_shape, client
+    ctx.normalized_shape, ctx.eps, ctx.client = normalized_shape, eps, client
     ctx.keep_alive = live_client(client)  # until the backward: a client made just for the call
 
 
@@ -87,9 +89,13 @@ def _layer_norm_backward(ctx: Any, grad_out: Tensor, _grad_mean: Tensor, _grad_r
     mask = [need[0], need[2], need[3]]
     if not any(mask):
         return None, None, None, None, None, None
-    gi, gw, gb = _layer_norm_backward_op(
-        grad_out, input, ctx.normalized_shape, mean, rstd, weight, bias, mask, ctx.client
-    )
+    if torch.is_grad_enabled():  # create_graph: the gradient is differentiated again (see local.py)
+        forward = lambda x, w, b: F.layer_norm(x, ctx.normalized_shape, w, b, ctx.eps)  # noqa: E731
+        gi, gw, gb = differentiable_gradients(forward, (input, weight, bias), mask, grad_out)
+    else:
+        gi, gw, gb = _layer_norm_backward_op(
+            grad_out, input, ctx.normalized_shape, mean, rstd, weight, bias, mask, ctx.client
+        )
     return gi if mask[0] else None, None, gw if mask[1] else None, gb if mask[2] else None, None, None
 
 
@@ -105,7 +111,13 @@ def layer_norm(
     *,
     client: BaseClient,
 ) -> Tensor:
-    """`torch.nn.functional.layer_norm` whose backward runs aclnnLayerNormBackward through `client`."""
+    """`torch.nn.functional.layer_norm` whose backward runs aclnnLayerNormBackward through `client`
+    (PyTorch's own, with a NotServedWarning, for a dtype the service lacks: see local.py)."""
+    dtype = unserved_dtype(input, weight, bias)
+    if dtype is not None:
+        warn_not_served("aclnn_client.torch.layer_norm", dtype)
+        shape = [normalized_shape] if isinstance(normalized_shape, int) else list(normalized_shape)
+        return F.layer_norm(input, shape, weight, bias, eps)
     return layer_norm_with_id(input, normalized_shape, weight, bias, eps, client_id(client))
 
 

@@ -6,12 +6,14 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from aclnn_common.api import BaseClient
 
 from ..clients import client_by_id, client_id, live_client
 from ..gradients import empty_gradient, gradient_buffer
+from ..local import differentiable_gradients, unserved_dtype, warn_not_served
 
 
 @torch.library.custom_op("aclnn::rms_norm", mutates_args=())
@@ -66,10 +68,10 @@ def _rms_norm_backward_fake(grad_out, input, normalized_shape, rstd, weight, out
 
 
 def _rms_norm_setup(ctx: Any, inputs: tuple, output: tuple) -> None:
-    input, normalized_shape, weight, _eps, client = inputs
+    input, normalized_shape, weight, eps, client = inputs
     ctx.mark_non_differentiable(output[1])
     ctx.save_for_backward(input, weight, output[1])
-    ctx.normalized_shape, ctx.client = normalized_shape, client
+    ctx.normalized_shape, ctx.eps, ctx.client = normalized_shape, eps, client
     ctx.keep_alive = live_client(client)
 
 
@@ -78,7 +80,11 @@ def _rms_norm_backward(ctx: Any, grad_out: Tensor, _grad_rstd: Tensor) -> tuple:
     mask = [ctx.needs_input_grad[0], ctx.needs_input_grad[2]]
     if not any(mask):
         return (None,) * 5
-    gi, gw = _rms_norm_backward_op(grad_out, input, ctx.normalized_shape, rstd, weight, mask, ctx.client)
+    if torch.is_grad_enabled():  # create_graph: the gradient is differentiated again (see local.py)
+        forward = lambda x, w: F.rms_norm(x, ctx.normalized_shape, w, ctx.eps)  # noqa: E731
+        gi, gw = differentiable_gradients(forward, (input, weight), mask, grad_out)
+    else:
+        gi, gw = _rms_norm_backward_op(grad_out, input, ctx.normalized_shape, rstd, weight, mask, ctx.client)
     return gi if mask[0] else None, None, gw if mask[1] else None, None, None
 
 
@@ -93,7 +99,13 @@ def rms_norm(
     *,
     client: BaseClient,
 ) -> Tensor:
-    """`torch.nn.functional.rms_norm` whose backward runs aclnnRmsNormGrad through `client`."""
+    """`torch.nn.functional.rms_norm` whose backward runs aclnnRmsNormGrad through `client`
+    (PyTorch's own, with a NotServedWarning, for a dtype the service lacks: see local.py)."""
+    dtype = unserved_dtype(input, weight)
+    if dtype is not None:
+        warn_not_served("aclnn_client.torch.rms_norm", dtype)
+        shape = [normalized_shape] if isinstance(normalized_shape, int) else list(normalized_shape)
+        return F.rms_norm(input, shape, weight, eps)
     return rms_norm_with_id(input, normalized_shape, weight, eps, client_id(client))
 
 
