@@ -4,18 +4,15 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
-import pathlib
 import signal
 import sys
 import threading
 import time
-import typing
 from collections.abc import Sequence
 
 from pydantic import ValidationError
 
-from .config import ServerOptions, load_options
+from .config import ServerOptions, add_option_flags, load_options
 from .transport.grpc_server import create_server
 
 log = logging.getLogger("aclnn_server")
@@ -36,21 +33,14 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Every option is also an environment variable ACLNN_<NAME> (e.g. ACLNN_MAX_QUEUE). "
         "Precedence: flags, then environment, then --config, then defaults.",
     )
-    parser.add_argument(
-        "--config",
-        type=pathlib.Path,
-        default=os.environ.get("ACLNN_CONFIG"),
-        help="TOML or JSON file of options, keyed by field name (env ACLNN_CONFIG)",
+    add_option_flags(
+        parser,
+        ServerOptions.model_fields,
+        lambda name, field: (
+            f"{field.description} (env ACLNN_{name.upper()}; default: {_COMPUTED_DEFAULTS.get(name, field.default)})"
+        ),
+        "TOML or JSON file of options, keyed by field name (env ACLNN_CONFIG)",
     )
-    for name, field in ServerOptions.model_fields.items():
-        flag = "--" + name.replace("_", "-")
-        default = _COMPUTED_DEFAULTS.get(name, field.default)
-        text = f"{field.description} (env ACLNN_{name.upper()}; default: {default})"
-        if field.annotation is bool:
-            parser.add_argument(flag, action="store_true", default=argparse.SUPPRESS, help=text)
-            continue
-        choices = typing.get_args(field.annotation) if typing.get_origin(field.annotation) is typing.Literal else None
-        parser.add_argument(flag, default=argparse.SUPPRESS, choices=choices, help=text)
     return parser
 
 

@@ -6,12 +6,15 @@ JSON), then the defaults here. Everything is validated before the server starts.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import contextvars
 import ipaddress
+import os
 import pathlib
 import ssl
-from collections.abc import Iterator
+import typing
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Literal
 
 from pydantic import Field, model_validator
@@ -175,6 +178,21 @@ def load_options(flags: dict[str, Any], config_file: pathlib.Path | None = None)
         return ServerOptions(**flags)
     finally:
         _config_file.reset(token)
+
+
+def add_option_flags(
+    parser: argparse.ArgumentParser, names: Iterable[str], describe: Callable[[str, Any], str], config_help: str
+) -> None:
+    """`--config` and a flag per named option (`describe(name, field)` its help). A flag not given is left
+    out of the parsed arguments, so that the environment and the file decide it (`load_options`)."""
+    parser.add_argument("--config", type=pathlib.Path, default=os.environ.get("ACLNN_CONFIG"), help=config_help)
+    for name in names:
+        field = ServerOptions.model_fields[name]
+        if field.annotation is bool:
+            parser.add_argument(flag(name), action="store_true", default=argparse.SUPPRESS, help=describe(name, field))
+            continue
+        choices = typing.get_args(field.annotation) if typing.get_origin(field.annotation) is typing.Literal else None
+        parser.add_argument(flag(name), default=argparse.SUPPRESS, choices=choices, help=describe(name, field))
 
 
 def flag(name: str) -> str:

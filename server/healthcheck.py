@@ -32,7 +32,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pydantic import ValidationError
 
-from .config import ServerOptions, flag, load_options
+from .config import ServerOptions, add_option_flags, flag, load_options
 
 SERVICE = "aclnn.v1.Aclnn"
 TIMEOUT_S = 3.0
@@ -132,17 +132,12 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="The server's flags default to the server's own ACLNN_* variables and ACLNN_CONFIG file, as "
         "aclnn-serve reads them; a flag given here wins.",
     )
-    parser.add_argument(
-        "--config",
-        type=pathlib.Path,
-        default=os.environ.get("ACLNN_CONFIG"),
-        help="the server's TOML or JSON options file (env ACLNN_CONFIG)",
+    add_option_flags(
+        parser,
+        SERVER_FLAGS,
+        lambda name, field: f"the server's {flag(name)}: {field.description} (env ACLNN_{name.upper()})",
+        "the server's TOML or JSON options file (env ACLNN_CONFIG)",
     )
-    for name in SERVER_FLAGS:
-        field = ServerOptions.model_fields[name]
-        text = f"the server's {flag(name)}: {field.description} (env ACLNN_{name.upper()})"
-        kind: dict = {"action": "store_true"} if field.annotation is bool else {"type": int if name == "port" else str}
-        parser.add_argument(flag(name), default=argparse.SUPPRESS, help=text, **kind)
     parser.add_argument(
         "--ca",
         type=pathlib.Path,
@@ -165,7 +160,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     probe = {name: flags.pop(name) for name in PROBE_FILES}
     address = "the server"
     try:
-        options = load_options(flags, pathlib.Path(config) if config else None)
+        if config is not None and not config.is_file():
+            raise ProbeError(f"--config {config} is not a readable file")
+        options = load_options(flags, config)
         address = target(options)
         with channel(options, address, probe) as server:
             reply = health_pb2_grpc.HealthStub(server).Check(

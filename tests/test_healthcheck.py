@@ -163,6 +163,8 @@ def test_help_and_unknown_arguments():
     help_text = probe(None, "--help").stdout
     for flag in ("--host", "--port", "--tls-cert", "--tls-key", "--tls-client-ca", "--ca", "--cert", "--key"):
         assert flag in help_text
+    result = probe(None, "--port", "50051", "--config", "/nonexistent.toml")
+    assert result.returncode == 2 and "--config /nonexistent.toml is not a readable file" in result.stderr
     result = probe(50051, "--prot", "50099")
     assert result.returncode == 2 and "unrecognized arguments: --prot" in result.stderr
     assert result.stdout == ""
