@@ -96,6 +96,13 @@ class ServerProcess:
         return self.stdout
 
 
+@pytest.fixture(autouse=True)
+def no_cann(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`auto` means cpu here: no CANN, not even the fake one the NPU tests leave in the environment."""
+    for name in ("ACLNN_CANN_LIB_DIR", "ASCEND_HOME_PATH"):
+        monkeypatch.delenv(name, raising=False)
+
+
 def health_of(address: str) -> int:
     with grpc.insecure_channel(address) as channel:
         request = health_pb2.HealthCheckRequest(service="aclnn.v1.Aclnn")
