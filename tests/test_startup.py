@@ -6,7 +6,6 @@ at once; a warm one compiles nothing."""
 from __future__ import annotations
 
 import os
-import queue
 import re
 import subprocess
 import sys
@@ -55,7 +54,7 @@ class ServerProcess:
             text=True,
             env=env,
         )
-        self.lines: queue.Queue[str] = queue.Queue()
+        self.lines: list[str] = []  # stdout and stderr, as they come
         self.stdout: list[str] = []
         threading.Thread(target=self._read, args=(self.proc.stdout, self.stdout), daemon=True).start()
         threading.Thread(target=self._read, args=(self.proc.stderr, []), daemon=True).start()
@@ -63,23 +62,24 @@ class ServerProcess:
     def _read(self, stream, kept: list[str]) -> None:
         for line in stream:
             kept.append(line)
-            self.lines.put(line)
+            self.lines.append(line)
 
     @property
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
 
     def wait_for(self, pattern: str, timeout: float) -> re.Match:
+        """The first line so far (or until `timeout`) that matches: lines of the server's two streams
+        come in no fixed order between them."""
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                line = self.lines.get(timeout=max(0.0, deadline - time.monotonic()))
-            except queue.Empty:
-                break
-            match = re.search(pattern, line)
-            if match:
-                return match
-        raise AssertionError(f"no line matching {pattern!r} within {timeout} s")
+        while True:
+            for line in list(self.lines):
+                match = re.search(pattern, line)
+                if match:
+                    return match
+            if time.monotonic() > deadline:
+                raise AssertionError(f"no line matching {pattern!r} within {timeout} s")
+            time.sleep(0.05)
 
     def health(self) -> int:
         return health_of(self.address)
