@@ -21,7 +21,7 @@ from aclnn_common.errors import AclnnError, Status, invalid_error
 from aclnn_common.tensor import BoolArray, IntArray, Tensor, Value
 
 from .admission import Admission
-from .backends import Backend, NumpyBackend, create_backend
+from .backends import Backend, NumpyBackend, create_backend, fastest_cpu_backend, npu_if_present
 from .buffers import Buffer, BufferStore, DeviceMemory, HostMemory, ResidentStorage
 from .descriptors import TensorDesc
 from .executors import ExecutorStore
@@ -114,12 +114,12 @@ class Engine:
         torch_device: str = "cpu",
         load_in_background: bool = False,
     ) -> None:
-        # `ready` is set once calls can be computed. `auto` computes on the NumPy reference at once and
-        # loads the best backend (the NPU, else cpu, whose kernels may compile for minutes on a cold
-        # cache) on a thread of its own, then switches to it. Another backend named here is created
-        # now, or with `load_in_background` on a thread of its own; calls that come before it is
-        # ready are refused at once (BackendStarting), never left waiting. `loaded` is set once the
-        # backend asked for is in place (or failed to load: `load_error`).
+        # `ready` is set once calls can be computed. A backend named here is created now, or with
+        # `load_in_background` on a thread of its own; calls that come before it is ready are refused
+        # at once (BackendStarting), never left waiting. `auto` is the NPU when one is here (started
+        # like a named backend: seconds), else the NumPy reference at once while the cpu backend,
+        # whose kernels may compile for minutes on a cold cache, loads beside it (`_start_auto`).
+        # `loaded` is set once the backend asked for is in place (or failed to load: `load_error`).
         self.ready = threading.Event()
         self.loaded = threading.Event()
         self.load_error: BaseException | None = None
@@ -134,13 +134,12 @@ class Engine:
             self._backend = backend
             self.ready.set()
             self.loaded.set()
-        elif backend == "auto" or load_in_background:
-            if backend == "auto":
-                self._backend = NumpyBackend()
-                self.ready.set()
-            threading.Thread(
-                target=self._load, args=(backend, device, torch_device), name="aclnn-backend-load", daemon=True
-            ).start()
+        elif backend == "auto" and load_in_background:
+            _thread(self._start_auto, device, torch_device, True)
+        elif backend == "auto":
+            self._start_auto(device, torch_device, False)
+        elif load_in_background:
+            _thread(self._load, backend, device, torch_device)
         else:
             self._load(backend, device, torch_device)
             if self.load_error is not None:
@@ -155,33 +154,62 @@ class Engine:
         self.buffers = BufferStore(self.ledger, self._device_memory)
         self.streams = StreamQueues()
 
-    def _load(self, name: str, device: int, torch_device: str) -> None:
+    def _start_auto(self, device: int, torch_device: str, in_background: bool) -> None:
+        """`auto`: the NPU when CANN and a device are here; else the reference at once, and the cpu
+        backend loaded beside it (on this thread when `in_background`, else on one of its own) and
+        switched to when ready. The NPU is not put behind the reference: device memory and streams
+        are its from the first call."""
+        try:
+            npu = npu_if_present(device)
+        except Exception as exc:  # a CANN that fails otherwise: the CPU backends, saying why
+            log.error("backend auto: no NPU (%s); the CPU backends", exc)
+            npu = None
+        if npu is not None:
+            self._load_done(npu)
+            return
+        with self._lock:
+            self._backend = self._backend or NumpyBackend()
+        self.ready.set()
+        name = fastest_cpu_backend()
+        if name == "numpy":
+            self.loaded.set()
+        elif in_background:
+            self._load(name, device, torch_device, beside_reference=True)
+        else:
+            _thread(self._load, name, device, torch_device, True)
+
+    def _load(self, name: str, device: int, torch_device: str, beside_reference: bool = False) -> None:
         try:
             backend = create_backend(name, device=device, torch_device=torch_device)
         except BaseException as exc:
-            if name != "auto":
-                self.load_error = exc  # reported by whoever waits for `ready` (the CLI exits with it)
+            if beside_reference:
+                log.error("backend auto: staying on the numpy reference, as %s failed: %s", name, exc, exc_info=exc)
             else:
-                log.error("backend auto: staying on the numpy reference: %s", exc, exc_info=exc)
-        else:
-            with self._lock:
-                closed, previous = self._closed, self._backend
-                if not closed:
-                    self._backend = backend
-                    if previous is not None and previous.name != backend.name:
-                        self._switched_at = time.monotonic()
-            if closed:
-                _close(backend)
-            elif previous is not None and previous.name != backend.name:
-                log.info(
-                    "backend %s in place of the %s reference (auto; ready after %.1f s)",
-                    backend.name,
-                    previous.name,
-                    time.monotonic() - self._loading_since,
-                )
-        finally:
+                self.load_error = exc  # reported by whoever waits for `ready` (the CLI exits with it)
             self.ready.set()
             self.loaded.set()
+        else:
+            self._load_done(backend)
+
+    def _load_done(self, backend: Backend) -> None:
+        """Puts a loaded backend in place (in place of the reference, for `auto`), unless the engine closed."""
+        with self._lock:
+            closed, previous = self._closed, self._backend
+            if not closed:
+                self._backend = backend
+                if previous is not None and previous.name != backend.name:
+                    self._switched_at = time.monotonic()
+        if closed:
+            _close(backend)
+        elif previous is not None and previous.name != backend.name:
+            log.info(
+                "backend %s in place of the %s reference (auto; ready after %.1f s)",
+                backend.name,
+                previous.name,
+                time.monotonic() - self._loading_since,
+            )
+        self.ready.set()
+        self.loaded.set()
 
     @property
     def backend(self) -> Backend:
@@ -627,7 +655,11 @@ class BackendStarting(AclnnError):
     """
 
     # What each backend is doing while it starts, for the message.
-    ACTIVITY: ClassVar[dict[str, str]] = {"cpu": "compiling kernels", "npu": "initializing the device"}
+    ACTIVITY: ClassVar[dict[str, str]] = {
+        "cpu": "compiling kernels",
+        "npu": "initializing the device",
+        "auto": "looking for an NPU",
+    }
 
     def __init__(self, backend: str, elapsed_s: float) -> None:
         activity = self.ACTIVITY.get(backend, "loading")
@@ -636,6 +668,10 @@ class BackendStarting(AclnnError):
             f"the server is starting: its {backend} backend is not ready yet ({activity}, {elapsed_s:.0f} s so far); "
             "retry later, or start it with --backend auto to be served by the reference meanwhile",
         )
+
+
+def _thread(target: Callable[..., None], *args: Any) -> None:
+    threading.Thread(target=target, args=args, name="aclnn-backend-load", daemon=True).start()
 
 
 def _close(backend: Backend | None) -> None:

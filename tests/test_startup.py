@@ -171,6 +171,15 @@ def test_local_client_auto_computes_on_the_reference_until_cpu_is_ready(rng):
         served_correctly(local, rng)
 
 
+def test_auto_with_an_npu_uses_it_from_the_first_call(fake, monkeypatch, rng):
+    """Where CANN and a device are, `auto` is the NPU from the start (its device memory and streams with it),
+    never the reference first."""
+    monkeypatch.setenv("ACLNN_CANN_LIB_DIR", str(fake.directory))
+    with LocalClient("auto") as local:
+        assert local.engine.loaded.is_set() and local.engine.backend.name == "npu"
+        served_correctly(local, rng)
+
+
 def test_an_explicit_cpu_backend_refuses_calls_as_starting_until_ready(kernels_held, rng):
     """NOT_SERVING while the kernels load, and each call refused at once (UNAVAILABLE, 361001) saying why:
     never left to wait for a compile that may take minutes."""

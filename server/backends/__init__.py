@@ -51,18 +51,10 @@ def create_backend(name: str, *, device: int = 0, torch_device: str = "cpu") -> 
     Heavy imports (Numba, torch, CANN) happen only for the backend asked for.
     """
     if name == "auto":
-        from .npu import NpuBackend
-
-        try:
-            return NpuBackend(device)
-        except RuntimeError:
-            pass  # no CANN or no device here: the CPU backends
-        try:
-            import numba  # noqa: F401  (the cpu backend's one extra dependency)
-        except ImportError:
-            name = "numpy"
-        else:
-            name = "cpu"
+        npu = npu_if_present(device)
+        if npu is not None:
+            return npu
+        name = fastest_cpu_backend()
     if name == "numpy":
         return NumpyBackend()
     if name == "cpu":
@@ -78,3 +70,22 @@ def create_backend(name: str, *, device: int = 0, torch_device: str = "cpu") -> 
 
         return NpuBackend(device)
     raise ValueError(f"unknown backend {name!r}; choose one of {', '.join(BACKENDS)}")
+
+
+def npu_if_present(device: int) -> Backend | None:
+    """The NPU backend when CANN and a device are here, else None."""
+    from .npu import NpuBackend
+
+    try:
+        return NpuBackend(device)
+    except RuntimeError:
+        return None  # no CANN or no device here
+
+
+def fastest_cpu_backend() -> str:
+    """`cpu` when Numba (the server extra's) is installed, else `numpy`."""
+    try:
+        import numba  # noqa: F401  (the cpu backend's one extra dependency)
+    except ImportError:
+        return "numpy"
+    return "cpu"
