@@ -136,6 +136,13 @@ def fake(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FakeCann]:
 
 
 @pytest.fixture(autouse=True)
+def cann_only_where_faked(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only tests that ask for the fake CANN find it: elsewhere `auto` means no NPU, whichever tests ran before."""
+    if "fake" not in request.fixturenames:
+        monkeypatch.delenv("ACLNN_CANN_LIB_DIR", raising=False)
+
+
+@pytest.fixture(autouse=True)
 def no_misuse(request: pytest.FixtureRequest) -> Iterator[None]:
     """After every test that uses the fake CANN, it saw no misuse of the API (bad pointers, unknown
     handles, copies racing queued kernels...)."""
