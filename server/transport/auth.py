@@ -1,15 +1,32 @@
-"""Bearer-token authentication, and who a caller is (the owner of what it creates)."""
+"""Who a caller is: verified identities only, and bearer tokens checked before anything else runs.
+
+An identity is what the server can verify: a bearer token from the token file (`token:` and a
+digest), a client certificate's common name (mutual TLS), or, for a peer on this host, the
+local user that owns the client's socket (`uid:N`). That user is read from the kernel
+(NETLINK_SOCK_DIAG) for the exact connection — the client's address and port, the server's
+address and port, in state ESTABLISHED — so no other socket, listening or closing, can stand in
+for it. Anything else is `peer:ADDRESS`, shared by every caller from that address. A bearer
+token without a token file proves nothing and gives no identity.
+"""
 
 from __future__ import annotations
 
 import hashlib
 import hmac
 import ipaddress
-import time
+import logging
+import socket
+import struct
+import threading
+import urllib.parse
+import weakref
 from collections.abc import Callable, Iterable
+from concurrent import futures
 from typing import Any
 
 import grpc
+
+log = logging.getLogger("aclnn_server")
 
 # Health checks stay open: orchestrators probe without credentials.
 _OPEN_SERVICES = ("/grpc.health.v1.Health/",)
@@ -31,18 +48,21 @@ def bearer_token(metadata: Iterable[tuple[str, Any]]) -> str | None:
     return None
 
 
-def _unauthenticated(message: str) -> grpc.RpcMethodHandler:
-    def abort(request: Any, context: grpc.ServicerContext) -> None:
-        context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
-
-    return grpc.unary_unary_rpc_method_handler(abort)
+def token_identity(token: str) -> str:
+    return "token:" + hashlib.sha256(token.encode()).hexdigest()[:16]
 
 
 class TokenAuthInterceptor(grpc.ServerInterceptor):
-    """Refuses every RPC (except health checks) without a valid `authorization: Bearer` token."""
+    """Refuses every RPC (except health checks) without a valid `authorization: Bearer` token.
 
-    def __init__(self, tokens: frozenset[str]) -> None:
+    It is the outermost interceptor: a refused call takes no call slot, and its request is never
+    read (the refusal's handler takes the request as a stream it never iterates). Refusals run on a
+    small pool of their own, so a flood of them queues behind nothing but itself.
+    """
+
+    def __init__(self, tokens: frozenset[str], refusal_pool: futures.ThreadPoolExecutor) -> None:
         self._digests = [hashlib.sha256(t.encode()).digest() for t in tokens]
+        self._refusal_pool = refusal_pool
 
     def _valid(self, token: str | None) -> bool:
         if token is None:
@@ -57,67 +77,151 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):
             return continuation(details)
         token = bearer_token(details.invocation_metadata)
         if not self._valid(token):
-            return _unauthenticated("missing bearer token" if token is None else "invalid bearer token")
+            return self._refuse("missing bearer token" if token is None else "invalid bearer token")
         return continuation(details)
 
+    def _refuse(self, message: str) -> grpc.RpcMethodHandler:
+        def abort(requests: Any, context: grpc.ServicerContext) -> None:
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, message)  # the request stream is never read
 
-def caller_identity(context: grpc.ServicerContext) -> str | None:
-    """The principal that owns what this call creates and whose memory share it spends: its token,
-    else its client certificate, else the peer (the local user, for a peer on this host)."""
-    token = bearer_token(context.invocation_metadata())
-    if token is not None:
-        return "token:" + hashlib.sha256(token.encode()).hexdigest()[:16]
-    names = context.auth_context().get("x509_common_name")
-    return "cert:" + names[0].decode() if names else peer_identity(context.peer())
+        abort.experimental_thread_pool = self._refusal_pool  # type: ignore[attr-defined]
+        return grpc.stream_unary_rpc_method_handler(abort)
 
 
-def peer_identity(peer: str) -> str | None:
-    """`uid:N` for a TCP peer on this host (its socket's owner, from /proc/net), else `peer:ADDRESS`.
+class Identities:
+    """The identity of each gRPC call, worked out once per call.
 
-    Cached for a few seconds per peer string (the client's address and port): a closed client
-    port stays in TIME_WAIT far longer, so no other process can be given the same string meanwhile.
+    `tokens`: whether a token file is configured (then every call passed TokenAuthInterceptor
+    and its token is its identity). `host`, `port`: where the gRPC server listens, the far end of a
+    local client's socket (`port` is set once the server is bound).
     """
-    now = time.monotonic()
-    cached = _PEERS.get(peer)
-    if cached is not None and cached[1] > now:
-        return cached[0]
-    if len(_PEERS) >= _PEER_CACHE_SIZE:
-        _PEERS.clear()
-    identity = _peer_identity(peer)
-    _PEERS[peer] = identity, now + _PEER_CACHE_S
-    return identity
+
+    def __init__(self, tokens: bool, host: str, port: int = 0) -> None:
+        self.tokens, self.host, self.port = tokens, host, port
+        self._known: weakref.WeakKeyDictionary[Any, str | None] = weakref.WeakKeyDictionary()
+        self._lock = threading.Lock()
+
+    def of(self, context: grpc.ServicerContext) -> str | None:
+        """The call's identity: its token (with a token file), else its certificate, else its peer."""
+        with self._lock:
+            if context in self._known:
+                return self._known[context]
+        identity = self._identify(context)
+        with self._lock:
+            self._known[context] = identity
+        return identity
+
+    def _identify(self, context: grpc.ServicerContext) -> str | None:
+        if self.tokens:
+            token = bearer_token(context.invocation_metadata())
+            if token is not None:
+                return token_identity(token)
+        names = context.auth_context().get("x509_common_name")
+        if names:
+            return "cert:" + names[0].decode()
+        return peer_identity(context.peer(), self.host, self.port)
 
 
-_PEERS: dict[str, tuple[str | None, float]] = {}
-_PEER_CACHE_S = 10.0
-_PEER_CACHE_SIZE = 4096
-
-
-def _peer_identity(peer: str) -> str | None:
+def parse_peer(peer: str) -> tuple[ipaddress.IPv4Address | ipaddress.IPv6Address, int] | None:
+    """The address and port in a gRPC peer string (`ipv4:1.2.3.4:5`, `ipv6:%5B::1%5D:5`); None for others."""
     kind, _, address = peer.partition(":")
     if kind not in ("ipv4", "ipv6"):
-        return peer or None
-    host, _, port = address.rpartition(":")
-    host = host.strip("[]")
+        return None
+    host, _, port = urllib.parse.unquote(address).rpartition(":")
     try:
-        loopback = ipaddress.ip_address(host).is_loopback
+        ip = ipaddress.ip_address(host.removeprefix("[").removesuffix("]"))
+        number = int(port)
     except ValueError:
-        return "peer:" + host
-    uid = _local_socket_uid(int(port)) if loopback else None
-    return f"uid:{uid}" if uid is not None else "peer:" + host
+        return None
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return ip, number
 
 
-def _local_socket_uid(port: int) -> int | None:
-    """The uid owning the local TCP socket bound to `port` (the client's end of a loopback connection)."""
-    wanted = f":{port:04X}"
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            with open(table) as f:
-                next(f)
-                for line in f:
-                    fields = line.split()
-                    if fields[1].endswith(wanted):
-                        return int(fields[7])
-        except (OSError, StopIteration, IndexError, ValueError):
-            continue
+def peer_identity(peer: str, server_host: str, server_port: int) -> str | None:
+    """`uid:N` for a client on this host (the owner of its end of this very connection), else `peer:ADDRESS`."""
+    parsed = parse_peer(peer)
+    if parsed is None:
+        return peer or None
+    ip, port = parsed
+    if ip.is_loopback:
+        uid = local_socket_uid(ip, port, _server_address(server_host, ip), server_port)
+        if uid is not None:
+            return f"uid:{uid}"
+    return f"peer:{ip.compressed}"
+
+
+def _server_address(host: str, client: ipaddress.IPv4Address | ipaddress.IPv6Address) -> Any:
+    """The far end of a loopback client's connection: the server's address, or (bound to every address)
+    the one a loopback client reaches itself on."""
+    try:
+        bound = ipaddress.ip_address(host)
+    except ValueError:  # a name (localhost): the client connected to one of its addresses, as itself
+        return client
+    return client if bound.is_unspecified else bound
+
+
+# NETLINK_SOCK_DIAG: one request for one socket by its addresses and ports (linux/inet_diag.h).
+_NETLINK_SOCK_DIAG = 4
+_SOCK_DIAG_BY_FAMILY = 20
+_NLM_F_REQUEST = 1
+_NLMSG_ERROR = 2
+_TCP_ESTABLISHED = 1
+_NO_COOKIE = 0xFFFFFFFF
+_HEADER = struct.Struct("=IHHII")  # nlmsghdr: length, type, flags, sequence, port id
+_REQUEST = struct.Struct("=BBBBI")  # inet_diag_req_v2: family, protocol, extensions, pad, states
+_PORTS = struct.Struct(">HH")  # inet_diag_sockid: source and destination ports (network order)
+_TAIL = struct.Struct("=III")  # inet_diag_sockid: interface, cookie
+_UID = struct.Struct("=I")
+# inet_diag_msg: family, state, timer, retransmits (4), sockid (48), expires, rqueue, wqueue (12), uid.
+_UID_OFFSET = _HEADER.size + 4 + 48 + 12
+_warned = False
+
+
+def local_socket_uid(
+    client: ipaddress.IPv4Address | ipaddress.IPv6Address, client_port: int, server: Any, server_port: int
+) -> int | None:
+    """The uid owning the established TCP socket from `client`:`client_port` to `server`:`server_port`
+    (the client's end of a loopback connection); None when there is none, or it cannot be asked.
+
+    An IPv4 connection may be made by an IPv6 socket (v4-mapped addresses, as gRPC makes them): both are asked.
+    """
+    if client.version != getattr(server, "version", client.version):
+        return None
+    ends = [(client, server)]
+    if client.version == 4:
+        ends.append(tuple(ipaddress.IPv6Address(b"\0" * 10 + b"\xff\xff" + a.packed) for a in (client, server)))
+    for client_end, server_end in ends:
+        uid = _established_uid(client_end, client_port, server_end, server_port)
+        if uid is not None:
+            return uid
     return None
+
+
+def _established_uid(client: Any, client_port: int, server: Any, server_port: int) -> int | None:
+    family = socket.AF_INET if client.version == 4 else socket.AF_INET6
+    sockid = (
+        _PORTS.pack(client_port, server_port)
+        + client.packed.ljust(16, b"\0")
+        + server.packed.ljust(16, b"\0")
+        + _TAIL.pack(0, _NO_COOKIE, _NO_COOKIE)
+    )
+    request = _REQUEST.pack(family, socket.IPPROTO_TCP, 0, 0, 1 << _TCP_ESTABLISHED) + sockid
+    try:
+        with socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, _NETLINK_SOCK_DIAG) as diag:
+            diag.send(_HEADER.pack(_HEADER.size + len(request), _SOCK_DIAG_BY_FAMILY, _NLM_F_REQUEST, 1, 0) + request)
+            answer = diag.recv(4096)
+    except OSError as exc:
+        global _warned
+        if not _warned:
+            _warned = True
+            log.warning("cannot ask the kernel who owns a local client's socket (%s): local users are peers", exc)
+        return None
+    if len(answer) < _UID_OFFSET + _UID.size or _HEADER.unpack_from(answer)[1] == _NLMSG_ERROR:
+        return None  # no such socket
+    found_family, state = answer[_HEADER.size], answer[_HEADER.size + 1]
+    found_id = answer[_HEADER.size + 4 : _HEADER.size + 4 + 36]
+    # The lookup falls back to a listening socket on the address: only this very connection will do.
+    if found_family != family or state != _TCP_ESTABLISHED or found_id != sockid[:36]:
+        return None
+    return _UID.unpack_from(answer, _UID_OFFSET)[0]

@@ -26,7 +26,7 @@ from ..engine import CallContext, Engine, default_memory_budget
 from ..metrics import Metrics
 from ..params import check
 from ..storage import Storage
-from .auth import TokenAuthInterceptor, caller_identity, read_tokens
+from .auth import Identities, TokenAuthInterceptor, read_tokens
 from .data_channel import DataChannelServer
 from .data_channel import Limits as DataChannelLimits
 from .limits import CallLimit
@@ -121,8 +121,8 @@ class _ChunkWrite:
 class AclnnServicer(pb_grpc.AclnnServicer):
     """Each RPC: its CallContext from the gRPC context, then AclnnService; failures abort with their status."""
 
-    def __init__(self, service: AclnnService) -> None:
-        self.service = service
+    def __init__(self, service: AclnnService, identities: Identities) -> None:
+        self.service, self.identities = service, identities
 
     def _serve(self, name: str, request: Any, context: grpc.ServicerContext) -> Any:
         metadata = dict(context.invocation_metadata())
@@ -130,7 +130,7 @@ class AclnnServicer(pb_grpc.AclnnServicer):
         context.set_trailing_metadata((("x-request-id", request_id),))
         remaining = context.time_remaining()
         call = CallContext(
-            owner=caller_identity(context),
+            owner=self.identities.of(context),
             session=metadata.get("x-aclnn-session"),
             deadline=None if remaining is None else time.monotonic() + remaining,
             cancelled=lambda: not context.is_active(),
@@ -241,12 +241,18 @@ class AclnnServer:
         # (plans, uploads); beyond them RESOURCE_EXHAUSTED at once. Health checks have threads of their own.
         workers = options.max_concurrency + options.max_queue + 4
         self._health_pool = futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="aclnn-health")
+        self.identities = Identities(tokens=options.auth_token_file is not None, host=options.host)
         per_identity = options.max_tenant_calls or max(1, workers // 2)
-        self.call_limit = CallLimit(workers, self._health_pool, self.metrics.refused.inc, per_identity)
-        interceptors: list[grpc.ServerInterceptor] = [self.call_limit]  # outermost: calls auth refuses count too
-        if options.auth_token_file:
+        self.call_limit = CallLimit(
+            workers, self._health_pool, self.identities.of, self.metrics.refused.inc, per_identity
+        )
+        interceptors: list[grpc.ServerInterceptor] = [self.call_limit]
+        # Threads are made on first use: a server without tokens never makes any.
+        self._refusal_pool = futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="aclnn-refuse")
+        if options.auth_token_file:  # outermost: a refused call takes no slot and its request is never read
             with options_at_fault(auth_token_file=options.auth_token_file):
-                interceptors.append(TokenAuthInterceptor(read_tokens(options.auth_token_file)))
+                tokens = TokenAuthInterceptor(read_tokens(options.auth_token_file), self._refusal_pool)
+            interceptors.insert(0, tokens)
         self.grpc = grpc.server(
             # Two spare threads: refusals, and calls that ended while their thread is still finishing.
             futures.ThreadPoolExecutor(max_workers=workers + 2, thread_name_prefix="aclnn-rpc"),
@@ -263,7 +269,7 @@ class AclnnServer:
             ],
         )
         self.service = AclnnService(engine, self.metrics, self.storage)
-        pb_grpc.add_AclnnServicer_to_server(AclnnServicer(self.service), self.grpc)
+        pb_grpc.add_AclnnServicer_to_server(AclnnServicer(self.service, self.identities), self.grpc)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
@@ -283,6 +289,7 @@ class AclnnServer:
                     self.port = self.grpc.add_insecure_port(address)
             except RuntimeError:  # gRPC's says only "failed to bind": the system's reason
                 raise OSError(f"cannot listen there ({_bind_failure(options.host, options.port)})") from None
+        self.identities.port = self.port
         unix_socket = None if options.unix_socket in ("", "off") else options.unix_socket
         self.data_channel = (
             DataChannelServer(
@@ -352,6 +359,7 @@ class AclnnServer:
                 self.data_channel.stop(grace)
             grpc_stopped.wait()
             self._health_pool.shutdown(wait=False)
+            self._refusal_pool.shutdown(wait=False)
             self.metrics.close()
             self.storage.close()
             self.engine.close(backend_too=True)

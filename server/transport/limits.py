@@ -8,7 +8,8 @@ takes one of `limit` slots on grpc's polling thread, before any request byte is 
 call beyond the limit is answered RESOURCE_EXHAUSTED with a retry hint at once, without
 reading its request. One identity may hold at most `per_identity` of the slots (counted once
 its call has a thread, still before its request is read), so a tenant that trickles request
-bytes on many calls cannot take every slot from the others.
+bytes on many calls cannot take every slot from the others. Only authenticated calls get here:
+token authentication is the outer interceptor, so a wrong or missing token never takes a slot.
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ from grpc_status import rpc_status
 from aclnn_common.errors import Status
 
 from ..errors import CapacityError
-from .auth import caller_identity
 from .service import error_status
 
 HEALTH = "/grpc.health.v1.Health/"
@@ -76,10 +76,12 @@ class CallLimit(grpc.ServerInterceptor):
         self,
         limit: int,
         health_pool: futures.ThreadPoolExecutor,
+        identify: Callable[[grpc.ServicerContext], str | None],
         on_refused: Callable[[], None] = lambda: None,
         per_identity: int | None = None,
     ) -> None:
         self.limit, self.health_pool, self.on_refused = limit, health_pool, on_refused
+        self.identify = identify
         self.per_identity = per_identity or limit
         self.active = 0
         self._by_identity: dict[str | None, int] = {}
@@ -132,7 +134,7 @@ class CallLimit(grpc.ServerInterceptor):
         unary = not handler.request_streaming
 
         def behavior(requests: Any, context: grpc.ServicerContext) -> Any:
-            owner = caller_identity(context)
+            owner = self.identify(context)
             counted = self._count(owner)
             release = functools.partial(self._release, owner, counted)
             if not context.add_callback(release):

@@ -1,0 +1,165 @@
+"""Only verified identities, and authentication before any slot or byte: attacks on who a caller is
+(issue 25, findings 2, 4, 5 and 12), with real servers, raw gRPC and other local users."""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import socket
+import threading
+import time
+
+import grpc
+import numpy as np
+import pytest
+from layer_norm_cases import layer_norm_call
+from test_grpc_abuse import Server
+from users import NOBODY, as_user, needs_root, relay
+
+from aclnn_client import AclnnError, Client
+from aclnn_common._proto import aclnn_pb2 as pb
+from aclnn_common._proto import aclnn_pb2_grpc as pb_grpc
+from aclnn_server.transport.auth import local_socket_uid, parse_peer
+
+OP = "aclnnLayerNormBackward"
+
+
+@pytest.fixture
+def tokens(tmp_path):
+    path = tmp_path / "tokens"
+    path.write_text("alice\nbob\n")
+    return path
+
+
+def test_wrong_tokens_take_no_call_slot_and_no_request_is_read(serve, tokens):
+    """Finding 2: streams with made-up tokens (each its own would-be identity) that never send a chunk
+    are refused at once, before the call limit counts them; a valid tenant is served meanwhile."""
+    served = serve(auth_token_file=tokens, max_concurrency=1, max_queue=1)  # 6 call slots
+    release = threading.Event()
+
+    def no_chunk():
+        release.wait(30)
+        yield pb.TensorChunk(total_size=1, data=b"x")
+
+    try:
+        with grpc.insecure_channel(served.address) as channel:
+            stub = pb_grpc.AclnnStub(channel)
+            started = time.monotonic()
+            uploads = [
+                stub.UploadTensor.future(no_chunk(), timeout=30, metadata=(("authorization", f"Bearer made-up-{i}"),))
+                for i in range(40)
+            ]
+            for upload in uploads:
+                with pytest.raises(grpc.RpcError) as refused:
+                    upload.result(timeout=10)
+                assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            assert time.monotonic() - started < 5, "refused at once, without waiting for a chunk"
+            assert served.server.call_limit.active == 0
+            bogus_unary = [
+                stub.Run.future(pb.OpCall(op=OP), metadata=(("authorization", f"Bearer x{i}"),)) for i in range(20)
+            ]
+            for call in bogus_unary:
+                with pytest.raises(grpc.RpcError) as refused:
+                    call.result(timeout=10)
+                assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        with Client(served.address, token="alice") as alice:
+            alice.run(OP, **layer_norm_call(np.random.default_rng(0), (4, 8)))
+    finally:
+        release.set()
+    assert served.server.metrics.refused._value.get() == 0  # none of them took (or was refused) a slot
+
+
+def test_made_up_tokens_without_a_token_file_are_one_identity(serve):
+    """Finding 5: with no token file a bearer token proves nothing: every made-up token of one local user
+    is that user, so its caps hold together."""
+    served = serve(max_tenant_executors=2)
+    p = layer_norm_call(np.random.default_rng(1), (4, 8))
+    planned = []
+    for token in ("x1", "x2"):
+        with Client(served.address, token=token) as c:
+            planned.append(c.get_workspace_size(OP, **p)[1])
+    with Client(served.address, token="x3") as c, pytest.raises(AclnnError) as refused:
+        c.get_workspace_size(OP, **p)
+    assert refused.value.grpc_code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "live for this caller" in refused.value.message
+
+
+def test_a_local_user_is_not_taken_for_another_by_its_port(server_process):
+    """Finding 4: another user binds 127.0.0.2:P, where P is a victim's client port, and calls through it.
+    It is itself (the exact connection's owner), not the victim: the victim's upload stays invisible."""
+    needs_root()
+    _, address = server_process
+    victim_relay, victim_address, port = relay(0, address)
+    attacker_relay, attacker_address, _ = relay(NOBODY, address, source="127.0.0.2", source_port=port)
+    session = (("x-aclnn-session", "shared-name"),)
+    try:
+        with grpc.insecure_channel(victim_address) as channel:
+            handle = pb_grpc.AclnnStub(channel).UploadTensor(
+                iter([pb.TensorChunk(total_size=4, data=b"\x01\x02\x03\x04")]), metadata=session
+            )
+            with grpc.insecure_channel(attacker_address) as stolen:
+                with pytest.raises(grpc.RpcError) as refused:
+                    list(pb_grpc.AclnnStub(stolen).DownloadTensor(handle, metadata=session))
+                assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert "unknown" in refused.value.details() or "another client" in refused.value.details()
+            chunks = list(pb_grpc.AclnnStub(channel).DownloadTensor(handle, metadata=session))
+            assert b"".join(c.data for c in chunks) == b"\x01\x02\x03\x04"
+    finally:
+        for p in (victim_relay, attacker_relay):
+            p.kill()
+            p.wait()
+
+
+def test_only_an_established_connection_names_a_local_user():
+    """Finding 4: a listening or closing socket on the client's address is nobody (TIME_WAIT reports uid 0)."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        server = listener.getsockname()
+        client = socket.create_connection(server)
+        accepted, _ = listener.accept()
+        port = client.getsockname()[1]
+        loopback = ipaddress.ip_address("127.0.0.1")
+        assert local_socket_uid(loopback, port, loopback, server[1]) == os.getuid()
+        assert local_socket_uid(loopback, port, loopback, server[1] + 1) is None  # another server port
+        assert local_socket_uid(loopback, server[1], loopback, 0) is None  # the listener itself
+        client.close()  # the client closes first: its end lingers in TIME_WAIT
+        accepted.close()
+        time.sleep(0.05)
+        assert local_socket_uid(loopback, port, loopback, server[1]) is None
+
+
+def test_ipv6_loopback_users_are_told_apart():
+    """Finding 12: over ::1, each local user is itself: another user's executor is unknown to root."""
+    needs_root()
+    server = Server("--host", "::1")
+    address = "[::1]:" + server.address.rpartition(":")[2]
+    try:
+        executor = as_user(
+            NOBODY,
+            f"""
+            p = layer_norm_cases.layer_norm_call(np.random.default_rng(0), (4, 8))
+            with Client({address!r}) as c:
+                print(c.get_workspace_size("{OP}", **p)[1])
+            """,
+        ).strip()
+        with Client(address) as root, pytest.raises(AclnnError) as refused:
+            root.execute(executor)
+        assert (refused.value.code, refused.value.param) == (161002, "executor")
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize(
+    "peer,parsed",
+    [
+        ("ipv6:%5B::1%5D:5000", ("::1", 5000)),
+        ("ipv6:[::1]:5000", ("::1", 5000)),
+        ("ipv6:%5B::ffff:127.0.0.1%5D:7", ("127.0.0.1", 7)),
+        ("ipv4:10.1.2.3:80", ("10.1.2.3", 80)),
+        ("unix:/tmp/x", None),
+    ],
+)
+def test_grpc_peer_strings_are_decoded(peer, parsed):
+    result = parse_peer(peer)
+    assert (None if result is None else (str(result[0]), result[1])) == parsed
