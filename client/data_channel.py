@@ -285,8 +285,11 @@ class DataChannel:
         return mailbox
 
     def _pass_memfd(self, sock: socket.socket, kind: int, fd: int, size: int, timeout: float | None) -> memoryview:
+        """A registration: the request, then (once the server asks for it) the memfd with one byte."""
         payload = REGION.pack(size)
-        socket.send_fds(sock, [_header(kind, None, timeout, len(payload)) + payload], [fd])
+        send(sock, _header(kind, None, timeout, len(payload)), payload)
+        self._reply(sock)  # the server is ready for the descriptor (a refusal raises: nothing was passed)
+        socket.send_fds(sock, [b"\0"], [fd])
         return self._reply(sock)
 
     # Connections ---------------------------------------------------------------------------

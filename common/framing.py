@@ -12,17 +12,22 @@ else while it waits (the server takes a closed connection for a cancelled call):
     UPLOAD    length = the tensor's size; reply (empty) when the bytes are accepted, then the
               client sends them; reply: TensorHandle
     DOWNLOAD  payload = TensorHandle message; reply: the raw bytes
-    REGISTER_REGION    (Unix socket) payload = size:u64, with one memfd passed as SCM_RIGHTS
-              ancillary data, sealed against shrinking and growing; reply: the region's id (ASCII),
-              valid in RegionSlice.region for this session
+    REGISTER_REGION    (Unix socket) payload = size:u64; reply (empty) when the server is ready for
+              the descriptor, then the client sends one byte with one memfd as SCM_RIGHTS ancillary
+              data, sealed against shrinking and growing (on tmpfs, not hugetlbfs); reply: the
+              region's id (ASCII), valid in RegionSlice.region for this session
     UNREGISTER_REGION  payload = the region's id; reply: empty
-    MAILBOX   (Unix socket) payload = size:u64, with one memfd passed as SCM_RIGHTS, sealed like a
-              region, at most MAILBOX_MAX_BYTES: the connection's mailbox from now on (it replaces
-              a smaller one); reply: empty
+    MAILBOX   (Unix socket) payload = size:u64, at most MAILBOX_MAX_BYTES; then like REGISTER_REGION
+              a memfd sealed like a region: the connection's mailbox from now on (it replaces a
+              smaller one); reply: empty
     WRITE_BUFFER  payload = BufferWrite message with all its bytes in `data` (up to
               WRITE_INLINE_BYTES), or none: then a reply (empty) when the write is accepted, then the
               client sends `size` raw bytes; reply: empty
     READ_BUFFER   payload = BufferRange message; reply: the raw bytes
+
+Descriptors pass only there: at any other time the server's Unix socket refuses them (SO_PASSRIGHTS
+off; a sendmsg with SCM_RIGHTS fails with EPERM), and the byte with the memfd is the last thing a
+client sends before its reply, as after any request.
 
 A CALL whose payload is larger than one Unix-socket buffer holds (MAILBOX_FROM) travels in the
 connection's mailbox instead: kind = CALL | IN_MAILBOX, the payload at the mailbox's start and

@@ -8,6 +8,7 @@ with SIGBUS on the next access.
 
 from __future__ import annotations
 
+import ctypes
 import fcntl
 import mmap
 import os
@@ -26,11 +27,12 @@ MAX_REGIONS_PER_IDENTITY = 256
 
 @dataclass
 class RegionOffer:
-    """What a REGISTER_REGION request brought: its descriptors and the size the client declared."""
+    """What a registration brought: the one descriptor received (None if none came), how many the
+    peer passed (those beyond one were closed), and the size the client declared."""
 
-    fds: list[int]
+    fd: int | None
     size: int
-    truncated: bool = False  # it came with more descriptors than were received (the kernel closed the rest)
+    passed: int = 1
 
 
 class MappedRegion:
@@ -65,14 +67,26 @@ def map_region(offer: RegionOffer) -> mmap.mmap:
 
 
 def checked_memfd(offer: RegionOffer) -> int:
-    """The offer's one descriptor, once it is a memfd sealed against shrinking and growing that
-    holds the declared size; 161002 naming `region` when it is not."""
-    if len(offer.fds) != 1 or offer.truncated:
-        count = f"more than {len(offer.fds)}" if offer.truncated else len(offer.fds)
+    """The offer's one descriptor, once it is a memfd (on the kernel's internal tmpfs, not hugetlbfs)
+    sealed against shrinking and growing that holds the declared size; 161002 naming `region` when not.
+
+    F_GET_SEALS comes first: it answers at once for any descriptor (EINVAL for all but memfds and
+    tmpfs files), so nothing that could block (a FUSE file's fstat) is ever asked of another kind.
+    hugetlbfs memfds are refused: a hole punched in one after it was checked would SIGBUS the
+    server's next access to that page when the huge page pool is empty.
+    """
+    if offer.fd is None or offer.passed != 1:
         raise invalid_error(
-            "region", f"a registration passes exactly one memfd (SCM_RIGHTS over the Unix socket), got {count}"
+            "region",
+            f"a registration passes exactly one memfd (SCM_RIGHTS over the Unix socket), got {offer.passed}",
         )
-    fd = offer.fds[0]
+    fd = offer.fd
+    try:
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    except OSError:
+        raise invalid_error("region", "the descriptor is not a memfd (regions are never opened by name)") from None
+    if _filesystem(fd) != _TMPFS_MAGIC:
+        raise invalid_error("region", "the memfd is not on tmpfs (hugetlb memfds are refused)")
     try:
         info = os.fstat(fd)
         target = os.readlink(f"/proc/self/fd/{fd}")
@@ -80,10 +94,23 @@ def checked_memfd(offer: RegionOffer) -> int:
         raise invalid_error("region", f"the descriptor cannot be inspected: {exc.strerror}") from None
     if not stat.S_ISREG(info.st_mode) or not target.startswith("/memfd:"):
         raise invalid_error("region", "the descriptor is not a memfd (regions are never opened by name)")
-    if fcntl.fcntl(fd, fcntl.F_GET_SEALS) & _SEALS != _SEALS:
+    if seals & _SEALS != _SEALS:
         raise invalid_error(
             "region", "the memfd must be sealed against shrinking and growing (F_SEAL_SHRINK | F_SEAL_GROW)"
         )
     if not 0 < offer.size <= info.st_size:
         raise invalid_error("region", f"a region of {offer.size} bytes was declared; the memfd holds {info.st_size}")
     return fd
+
+
+_TMPFS_MAGIC = 0x01021994
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.fstatfs.argtypes = (ctypes.c_int, ctypes.c_void_p)
+
+
+def _filesystem(fd: int) -> int:
+    """The magic number of the filesystem a descriptor's file lives on (statfs's f_type)."""
+    buffer = ctypes.create_string_buffer(256)  # struct statfs: f_type (a long) first
+    if _libc.fstatfs(fd, buffer) != 0:
+        raise invalid_error("region", f"the descriptor cannot be inspected: {os.strerror(ctypes.get_errno())}")
+    return ctypes.c_long.from_buffer(buffer).value

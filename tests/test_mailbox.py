@@ -21,6 +21,7 @@ from test_shared_memory import (
     memfd,
     refused,
     region_call,
+    register,
     start_server,
     unix_connect,
 )
@@ -28,7 +29,7 @@ from test_transport import wait_for
 
 from aclnn_client import AclnnError, Client
 from aclnn_common._proto import aclnn_pb2 as pb
-from aclnn_common.framing import CALL, IN_MAILBOX, MAILBOX, MAILBOX_MAX_BYTES, REGION
+from aclnn_common.framing import CALL, IN_MAILBOX, MAILBOX, MAILBOX_MAX_BYTES
 from aclnn_common.wire import decode_output
 
 MIB = 1 << 20
@@ -60,8 +61,7 @@ def mailbox_fds(pid: int) -> list[int]:
 
 
 def pass_mailbox(sock: socket.socket, fd: int, size: int) -> tuple[bool, bytes]:
-    socket.send_fds(sock, [request(MAILBOX, REGION.size) + REGION.pack(size)], [fd])
-    return reply(sock)
+    return register(sock, [fd], size, MAILBOX)
 
 
 def run_payload(p: dict) -> bytes:

@@ -57,9 +57,13 @@ def unix_connect(offer: pb.DataChannelTicket) -> socket.socket:
     return sock
 
 
-def register(sock: socket.socket, fds: list[int], size: int) -> tuple[bool, bytes]:
-    data = REQUEST.pack(REGISTER_REGION, 0, 0, 0, REGION.size) + REGION.pack(size)
-    socket.send_fds(sock, [data], fds)
+def register(sock: socket.socket, fds: list[int], size: int, kind: int = REGISTER_REGION) -> tuple[bool, bytes]:
+    """A registration as the protocol has it: the request, then (when asked) one byte with `fds`."""
+    sock.sendall(REQUEST.pack(kind, 0, 0, 0, REGION.size) + REGION.pack(size))
+    ready = reply(sock)
+    if not ready[0]:
+        return ready
+    socket.send_fds(sock, [b"\0"], fds)
     return reply(sock)
 
 

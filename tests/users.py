@@ -15,7 +15,7 @@ NOBODY = 65534  # the attacker
 OTHER = 65533  # a third user, where one is needed
 
 _PRELUDE = """
-import os, socket, sys, time
+import array, encodings.idna, fcntl, os, select, socket, struct, sys, time
 import grpc, numpy as np
 sys.path.insert(0, {tests!r})
 import aclnn_client, aclnn_client.data_channel, aclnn_common.framing, aclnn_common.wire, aclnn_common.binding

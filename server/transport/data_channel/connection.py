@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import select
 import socket
 import ssl
@@ -40,11 +39,16 @@ class ProtocolError(Exception):
 class Connection:
     """One connection's state between its events; a worker owns it while `active`."""
 
-    def __init__(self, sock: socket.socket, unix: bool, peer: tuple[int, int, int] | None, deadline: float) -> None:
+    def __init__(
+        self, sock: socket.socket, unix: bool, peer: tuple[int, int, int] | None, deadline: float, may_pass: bool
+    ) -> None:
         self.sock = sock
         self.fd = sock.fileno()
         self.unix = unix
         self.peer = peer  # (pid, uid, gid) of a Unix-socket peer, from SO_PEERCRED
+        # The peer can pass descriptors unasked (a Unix socket on a kernel without SO_PASSRIGHTS):
+        # every read has room for them, and the socket is closed on the broker's thread.
+        self.may_pass = may_pass
         self.tls_pending = isinstance(sock, ssl.SSLSocket)
         self.admitted = False
         self.owner: str | None = None
@@ -63,8 +67,6 @@ class Connection:
         self.hold: Any = None  # the ledger's hold on a large request's payload
         self.refusal: status_pb2.Status | None = None  # the answer once a refused payload is drained
         self.discard = 0  # bytes of a refused payload still to drain
-        self.fds: list[int] = []  # descriptors received with the request (Unix socket)
-        self.fds_truncated = False  # it came with more descriptors than that
         self.mailbox: Mailbox | None = None  # where large CALL payloads come in (Unix socket)
 
     def next_request(self) -> None:
@@ -75,11 +77,15 @@ class Connection:
         self.refusal, self.discard = None, 0
         self.idle_since = time.monotonic()
 
+    @property
+    def identity(self) -> str | None:
+        """Whose the connection is: its ticket's owner once admitted, else the local user that connected."""
+        if self.admitted or self.peer is None:
+            return self.owner
+        return f"uid:{self.peer[1]}"
+
     def drop_request(self) -> None:
-        """Gives back what the request holds: its memory, descriptors it brought."""
+        """Gives back what the request holds: the memory of its payload."""
         if self.hold is not None:
             self.hold.release()
             self.hold = None
-        for fd in self.fds:
-            os.close(fd)
-        self.fds, self.fds_truncated = [], False

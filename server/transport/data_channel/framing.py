@@ -11,14 +11,14 @@ from google.rpc import status_pb2
 from aclnn_common.framing import REPLY, ConnectionLost
 
 from .connection import Connection, ProtocolError
-from .descriptors import FD_SPACE, descriptors
+from .descriptors import ROOM_FOR_ALL, Unexpected, descriptors
 
 # Beyond the base allowance (the handshake timeout), a request's bytes must arrive, and a reply's
 # leave, at least this fast: a 1 GiB tensor gets ~17 minutes, a slow-loris peer a few seconds.
 MIN_BYTES_PER_S = 1 << 20
 # Plain ints once: IntFlag arithmetic is Python code (~2 us an operation, on every request).
 _PEEK_NOW = int(socket.MSG_PEEK | socket.MSG_DONTWAIT)
-_CTRUNC = int(socket.MSG_CTRUNC)
+_CLOEXEC = int(socket.MSG_CMSG_CLOEXEC)
 _COALESCE_BYTES = 64 << 10
 
 
@@ -39,20 +39,23 @@ def ok(payload: bytes) -> tuple[bytes, bytes]:
     return REPLY.pack(1, len(payload)), payload
 
 
+def receive_into(conn: Connection, view: memoryview) -> int:
+    """One read into `view`: the count read (0: closed); BlockingIOError when nothing is there."""
+    if conn.may_pass:  # room for every descriptor a message carries: none is closed in this thread
+        count, ancillary, _, _ = conn.sock.recvmsg_into([view], ROOM_FOR_ALL, _CLOEXEC)
+        if ancillary:
+            raise Unexpected(descriptors(ancillary))
+        return count
+    return conn.sock.recv_into(view)
+
+
 def fill(conn: Connection, allowance_s: float) -> bool:
     """Reads what has arrived into the rest of `conn.buffer`; True once `conn.need` bytes are there.
     Never blocks. The request's first bytes start its deadline (`allowance_s` from then)."""
     view = conn.buffer
     while conn.got < conn.need:
         try:
-            if conn.unix:
-                count, ancillary, flags, _ = conn.sock.recvmsg_into([view[conn.got :]], FD_SPACE)
-                if ancillary:
-                    conn.fds += descriptors(ancillary)
-                if flags & _CTRUNC:
-                    conn.fds_truncated = True  # more than room for (closed by the kernel)
-            else:
-                count = conn.sock.recv_into(view[conn.got :])
+            count = receive_into(conn, view[conn.got :])
         except (BlockingIOError, ssl.SSLWantReadError):
             return False
         if count == 0:
@@ -67,7 +70,7 @@ def drain(conn: Connection) -> bool:
     """Reads and drops a refused payload (the connection stays in step); True once all is gone."""
     while conn.discard:
         try:
-            count = conn.sock.recv_into(conn.own_buffer, min(conn.discard, len(conn.own_buffer)))
+            count = receive_into(conn, conn.own_buffer[: min(conn.discard, len(conn.own_buffer))])
         except (BlockingIOError, ssl.SSLWantReadError):
             return False
         if count == 0:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import errno
+import functools
 import logging
 import os
 import select
@@ -42,9 +43,10 @@ from ...config import OptionError, options_at_fault
 from ...engine import CallContext
 from ..service import AclnnService
 from .connection import Connection, Limits, ProtocolError
+from .descriptors import Broker, Unexpected, refuse_passing
 from .framing import failure, fill, send_now, status
 from .housekeeping import keep_house, overdue
-from .requests import Requests
+from .requests import REGISTRATIONS, Requests
 from .tickets import Tickets
 
 log = logging.getLogger("aclnn_server")
@@ -53,6 +55,9 @@ log = logging.getLogger("aclnn_server")
 # ENOMEM); it keeps listening.
 _BACKOFF_S = 0.1
 _SO_PEERCRED = struct.Struct("3i")  # pid, uid, gid
+_REGISTRATIONS_BUSY = status(
+    code_pb2.RESOURCE_EXHAUSTED, "this caller's registrations are queued already: retry, or pass bytes another way"
+)
 
 
 class DataChannelServer:
@@ -81,6 +86,7 @@ class DataChannelServer:
         self.port = 0
         self.unix_path: str | None = None
         self._unix_inode = 0
+        self._passing_refused = True
         self._made_directory: str | None = None
         try:
             if port is not None:
@@ -104,7 +110,8 @@ class DataChannelServer:
             self._close_listeners()
             raise
         self._tickets = Tickets()
-        self._requests = Requests(service, limits, max_message_bytes)
+        self._broker = Broker()
+        self._requests = Requests(service, limits, max_message_bytes, self._broker)
         self._conns: dict[int, Connection] = {}
         self._handshaking = 0
         self._admitted = 0
@@ -130,6 +137,9 @@ class DataChannelServer:
             path = os.path.abspath(setting)
             _remove_stale_socket(path)
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._passing_refused = refuse_passing(listener)
+        if not self._passing_refused:
+            log.warning("this kernel cannot refuse passed descriptors (SO_PASSRIGHTS, Linux 6.16 and later)")
         try:
             listener.bind(path)
             self.unix_path, self._unix_inode = path, os.stat(path).st_ino
@@ -243,7 +253,8 @@ class DataChannelServer:
             log.debug("data channel connection dropped at accept: %s", exc)
             sock.close()
             return
-        conn = Connection(sock, unix, peer, time.monotonic() + self.limits.handshake_timeout_s)
+        deadline = time.monotonic() + self.limits.handshake_timeout_s
+        conn = Connection(sock, unix, peer, deadline, may_pass=unix and not self._passing_refused)
         with self._lock:
             full = self._handshaking >= self.limits.max_handshakes
             if not (full or self._stopping):
@@ -300,18 +311,42 @@ class DataChannelServer:
                 header = self._requests.receive(conn)
                 if header is None:
                     return self._rearm(conn)
-                self._requests.serve(conn, *header)
-                conn.drop_request()
-                conn.next_request()
-                # The peer sends nothing before it has its reply; only TLS may have read ahead.
-                if not (isinstance(conn.sock, ssl.SSLSocket) and conn.sock.pending()):
+                if header[0] in REGISTRATIONS:
+                    if self._broker.submit(conn.identity, functools.partial(self._register, conn, header)):
+                        return None  # the broker's thread serves it, then re-arms or closes the connection
+                    self._requests.fail(conn, _REGISTRATIONS_BUSY)
+                else:
+                    self._requests.serve(conn, *header)
+                if not self._next(conn):
                     return self._rearm(conn)
+        except Unexpected as exc:
+            self._close(conn, exc.fds)
+            return None
         except (OSError, ConnectionLost, ProtocolError) as exc:
             log.debug("data channel connection closed: %s", exc)
         except Exception:
             log.exception("data channel connection failed")
         self._close(conn)
         return None
+
+    @staticmethod
+    def _next(conn: Connection) -> bool:
+        """Readies the connection for its next request; True when it may have arrived already (only TLS
+        reads ahead: the peer sends nothing before it has its reply)."""
+        conn.drop_request()
+        conn.next_request()
+        return isinstance(conn.sock, ssl.SSLSocket) and conn.sock.pending() > 0
+
+    def _register(self, conn: Connection, header: tuple[int, int, int, int, int]) -> None:
+        """A registration, on the identity's broker thread; then the connection goes back to the loop."""
+        try:
+            self._requests.register(conn, *header)
+        except Exception as exc:
+            log.debug("data channel connection closed during a registration: %s", exc)
+            return self._close(conn)
+        if self._next(conn):
+            return self._turn(conn)
+        return self._rearm(conn)
 
     def _rearm(self, conn: Connection) -> None:
         with self._lock:
@@ -321,11 +356,12 @@ class DataChannelServer:
             else:
                 self._epoll.modify(conn.fd, conn.events | select.EPOLLONESHOT)
 
-    def _close(self, conn: Connection) -> None:
+    def _close(self, conn: Connection, fds: list[int] | None = None) -> None:
+        """Closes a connection (and descriptors it passed uninvited, which only the broker closes)."""
         with self._lock:
-            self._close_locked(conn)
+            self._close_locked(conn, fds)
 
-    def _close_locked(self, conn: Connection) -> None:
+    def _close_locked(self, conn: Connection, fds: list[int] | None = None) -> None:
         if conn.closed:
             return
         conn.closed = True
@@ -344,7 +380,10 @@ class DataChannelServer:
             self._epoll.unregister(conn.fd)  # before close: the number may be reused at once
         except OSError:
             pass
-        conn.sock.close()
+        if conn.may_pass:  # its queue may hold descriptors: the last close of each is the broker's
+            self._broker.close_later(conn.identity, fds or [], conn.sock)
+        else:
+            conn.sock.close()  # nothing passed can be queued on it: this close never waits for a peer
 
     def _sweep(self) -> list[Connection]:
         """Closes the connections past their deadline or idle for too long; returns them."""

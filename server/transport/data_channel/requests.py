@@ -33,13 +33,15 @@ from ...engine import CallContext
 from ...regions import RegionOffer, checked_memfd
 from ..service import AclnnService, failure_status, new_request_id
 from .connection import Connection, Limits, ProtocolError
-from .framing import MIN_BYTES_PER_S, drain, failure_parts, fill, ok, peer_closed, send, status
+from .descriptors import Broker, Excess, allow_passing, receive_one
+from .framing import MIN_BYTES_PER_S, drain, failure_parts, fill, ok, peer_closed, receive_into, send, status
 from .mailbox import Mailbox
 
 _KINDS = frozenset(
     {CALL, CALL | IN_MAILBOX, UPLOAD, DOWNLOAD, REGISTER_REGION, UNREGISTER_REGION, MAILBOX, WRITE_BUFFER, READ_BUFFER}
 )
-_WITH_DESCRIPTOR = frozenset({REGISTER_REGION, MAILBOX})
+# Requests that pass a descriptor: served on the identity's broker thread (see descriptors.py).
+REGISTRATIONS = frozenset({REGISTER_REGION, MAILBOX})
 
 
 class _SocketUpload:
@@ -60,7 +62,7 @@ class _SocketUpload:
                 if remaining <= 0:
                     raise TimeoutError(f"{received} of {buffer.nbytes} bytes arrived before the deadline")
                 sock.settimeout(remaining)
-                count = sock.recv_into(buffer[received:])
+                count = receive_into(self.conn, buffer[received:])
                 if count == 0:
                     raise ConnectionLost(f"connection closed after {received} of {buffer.nbytes} bytes")
                 received += count
@@ -93,8 +95,9 @@ class _SocketWrite:
 class Requests:
     """Receives an admitted connection's requests and serves them through the service."""
 
-    def __init__(self, service: AclnnService, limits: Limits, max_message_bytes: int) -> None:
+    def __init__(self, service: AclnnService, limits: Limits, max_message_bytes: int, broker: Broker) -> None:
         self.service, self.limits, self.max_message_bytes = service, limits, max_message_bytes
+        self.broker = broker
 
     def receive(self, conn: Connection) -> tuple[int, int, int, int, int] | None:
         """The request once all of it has arrived (an UPLOAD's bytes come later), else None."""
@@ -105,8 +108,6 @@ class Requests:
             kind, length = header[0], header[4]
             if kind not in _KINDS:
                 raise ProtocolError(f"unknown request kind {kind}")
-            if kind not in _WITH_DESCRIPTOR:
-                conn.drop_request()  # descriptors only come with a registration
             in_mailbox = kind == CALL | IN_MAILBOX
             if in_mailbox and (conn.mailbox is None or length > conn.mailbox.size):
                 raise ProtocolError(f"a {length}-byte request in a mailbox the connection does not have")
@@ -144,14 +145,7 @@ class Requests:
         """Serves a whole request on this thread (an UPLOAD receives its bytes here, within a deadline)."""
         if conn.refusal is not None:
             return self.fail(conn, conn.refusal)
-        call = CallContext(
-            owner=conn.owner,
-            session=conn.session,
-            stream=stream if has_stream else None,
-            deadline=time.monotonic() + timeout_ms / 1000 if timeout_ms else None,
-            cancelled=lambda: peer_closed(conn.sock),
-            holds=[conn.hold] if conn.hold is not None else [],  # a small request needs none
-        )
+        call = self._call(conn, has_stream, stream, timeout_ms)
         request_id = new_request_id()
         if kind == UPLOAD:
             upload = _SocketUpload(self, conn, length)
@@ -172,16 +166,9 @@ class Requests:
             if kind == DOWNLOAD:
                 buffer = self.service.invoke("DownloadTensor", pb.TensorHandle.FromString(payload), call, request_id)
                 return self.send(conn, REPLY.pack(1, buffer.nbytes), buffer)
-            if kind == REGISTER_REGION:
-                size = REGION.unpack(payload)[0] if length == REGION.size else -1
-                offer = RegionOffer(conn.fds, size, conn.fds_truncated)
-                region_id = self.service.invoke("RegisterRegion", offer, call, request_id)
-                return self.send(conn, *ok(region_id.encode()))
             if kind == UNREGISTER_REGION:
                 self.service.invoke("UnregisterRegion", bytes(payload).decode(errors="replace"), call, request_id)
                 return self.send(conn, *ok(b""))
-            if kind == MAILBOX:
-                return self._take_mailbox(conn, REGION.unpack(payload)[0] if length == REGION.size else -1)
         except DecodeError:
             return self.fail(conn, status(code_pb2.INVALID_ARGUMENT, f"request of kind {kind} does not parse"))
         except Exception as exc:
@@ -214,21 +201,57 @@ class Requests:
             return self.fail(conn, failure_status(exc)[0])
         return self.send(conn, *ok(b""))
 
-    def _take_mailbox(self, conn: Connection, size: int) -> None:
-        """Keeps the memfd the connection passed as its mailbox (in place of one it had). The server
-        only ever reads it (see Mailbox)."""
-        if not 0 < size <= MAILBOX_MAX_BYTES:
-            too_large = status(code_pb2.INVALID_ARGUMENT, f"a mailbox holds 1 to {MAILBOX_MAX_BYTES} bytes")
-            return self.fail(conn, too_large)
+    def register(self, conn: Connection, kind: int, has_stream: int, stream: int, timeout_ms: int, length: int) -> None:
+        """A registration (REGISTER_REGION, MAILBOX), on the identity's broker thread: the size is checked,
+        the peer told to pass its memfd, the one descriptor received, checked, and kept or closed here.
+
+        A refusal leaves the connection in step; a broken protocol raises (the caller closes it).
+        """
+        size = REGION.unpack(conn.payload)[0] if length == REGION.size else -1
+        if kind == MAILBOX and not 0 < size <= MAILBOX_MAX_BYTES:
+            return self.fail(conn, status(code_pb2.INVALID_ARGUMENT, f"a mailbox holds 1 to {MAILBOX_MAX_BYTES} bytes"))
+        fds: list[int] = []
+        passed = 0  # over TCP no descriptor can come: refused below, in step
+        if conn.unix:
+            if not conn.may_pass:
+                allow_passing(conn.sock)  # for this one descriptor (receive_one turns it off again)
+            self.send(conn, REPLY.pack(1, 0))  # send it
+            deadline = time.monotonic() + self.limits.handshake_timeout_s
+            try:
+                fds, passed = receive_one(conn.sock, not conn.may_pass, deadline)
+            except Excess as exc:
+                self.broker.close_later(conn.identity, exc.fds)
+                raise
+        offer = RegionOffer(fds[0] if fds else None, size, passed)
         try:
-            fd = checked_memfd(RegionOffer(conn.fds, size, conn.fds_truncated))
-        except AclnnError as exc:
+            if kind == MAILBOX:
+                mailbox = Mailbox(checked_memfd(offer), size)
+                fds.pop(0)  # the connection keeps it
+                if conn.mailbox is not None:
+                    conn.mailbox.close()
+                conn.mailbox = mailbox
+                return self.send(conn, *ok(b""))
+            call = self._call(conn, has_stream, stream, timeout_ms)
+            region_id = self.service.invoke("RegisterRegion", offer, call, new_request_id())
+            return self.send(conn, *ok(region_id.encode()))
+        except Exception as exc:
             return self.fail(conn, failure_status(exc)[0])
-        conn.fds.remove(fd)  # the connection keeps it; drop_request closes what else came
-        if conn.mailbox is not None:
-            conn.mailbox.close()
-        conn.mailbox = Mailbox(fd, size)
-        return self.send(conn, *ok(b""))
+        finally:
+            # Refused, extra, or mapped (the mapping holds its own): closed after the reply, and after
+            # the connection is back with the loop, in the identity's queue (a close may linger).
+            if fds:
+                self.broker.close_later(conn.identity, fds)
+
+    @staticmethod
+    def _call(conn: Connection, has_stream: int, stream: int, timeout_ms: int) -> CallContext:
+        return CallContext(
+            owner=conn.owner,
+            session=conn.session,
+            stream=stream if has_stream else None,
+            deadline=time.monotonic() + timeout_ms / 1000 if timeout_ms else None,
+            cancelled=lambda: peer_closed(conn.sock),
+            holds=[conn.hold] if conn.hold is not None else [],  # a small request needs none
+        )
 
     def fail(self, conn: Connection, failed: status_pb2.Status) -> None:
         self.send(conn, *failure_parts(failed))
