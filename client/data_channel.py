@@ -40,6 +40,7 @@ from aclnn_common.framing import (
     REGISTER_REGION,
     REPLY,
     REQUEST,
+    RESERVED_UPLOAD,
     UNREGISTER_REGION,
     UPLOAD,
     WRITE_BUFFER,
@@ -178,11 +179,15 @@ class DataChannel:
             reply = self._reply(conn.sock)
         return METHODS[method][1].FromString(reply)
 
-    def upload(self, data: memoryview, timeout: float | None) -> str:
-        """Stores the bytes on the server; returns their handle."""
+    def upload(self, data: memoryview, timeout: float | None, reservation: str = "") -> str:
+        """Stores the bytes on the server (in the memory of a call's reservation, if given); returns their handle."""
         with self._connection(timeout) as conn:
             sock = conn.sock
-            sock.sendall(_header(UPLOAD, None, timeout, data.nbytes))
+            if reservation:
+                payload = REGION.pack(data.nbytes) + reservation.encode()
+                send(sock, _header(RESERVED_UPLOAD, None, timeout, len(payload)), payload)
+            else:
+                sock.sendall(_header(UPLOAD, None, timeout, data.nbytes))
             self._reply(sock)  # the server holds room for the bytes
             sock.sendall(data)
             reply = self._reply(sock)

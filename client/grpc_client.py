@@ -216,8 +216,8 @@ class Client(BaseClient):
             replica = self._pool.next()
             if replica == device_failed:
                 replica = self._pool.next()
-            request = build(replica)
             try:
+                request = build(replica)  # its reservation or uploads may find the backend busy too
                 return self._call_on(replica, method, request, stream, stateless()), replica
             except AclnnError as error:
                 elsewhere = error.grpc_code == _DEVICE_FAILED and device_failed is None and self._pool.count() > 1
@@ -274,13 +274,16 @@ class Client(BaseClient):
             replica, _, server_id = executor.id.partition("/")
             with Staging(self._transfers) as staging:
                 request = pb.ExecuteRequest(executor=server_id)
-                for name, tensor in call.inputs().items():
-                    staged = staging.input(int(replica), name, tensor)
-                    if isinstance(staged, bytes):
-                        request.inputs[name] = staged
-                    else:
-                        request.input_refs[name].CopyFrom(staged)
                 staging.place(int(replica), sizes, request.placements)
+                reservation = pb.CallReservation(execute=pb.ExecuteRequest(executor=server_id))
+                reservation.execute.placements.MergeFrom(request.placements)
+                staged = staging.inputs(int(replica), call.inputs(), reservation)
+                for name, data in staged.items():
+                    if isinstance(data, bytes):
+                        request.inputs[name] = data
+                    else:
+                        request.input_refs[name].CopyFrom(data)
+                request.reservation = staging.reservation
                 try:
                     reply = self._call_on(int(replica), "Execute", request, stream)
                 except AclnnError as error:
@@ -302,13 +305,14 @@ class Client(BaseClient):
             def build(replica: int) -> pb.OpCall:
                 staging.reset(failed=True)  # a previous attempt's, which failed (its regions may still be written)
                 request = encode_call(call.op, call.values, storage=False)
-                for name, tensor in call.inputs().items():
-                    staged = staging.input(replica, name, tensor)
-                    if isinstance(staged, bytes):
-                        request.params[name].tensor.data = staged
-                    else:
-                        request.params[name].tensor.ref.CopyFrom(staged)
                 staging.place(replica, sizes, request.placements)
+                staged = staging.inputs(replica, call.inputs(), pb.CallReservation(run=request))
+                for name, data in staged.items():
+                    if isinstance(data, bytes):
+                        request.params[name].tensor.data = data
+                    else:
+                        request.params[name].tensor.ref.CopyFrom(data)
+                request.reservation = staging.reservation
                 return request
 
             replica = self._pinned(call.values)
@@ -436,19 +440,29 @@ class Client(BaseClient):
 
     # Bytes outside messages -------------------------------------------------------------------
 
-    def _upload(self, replica: int, data: memoryview) -> str:
+    def _upload(self, replica: int, data: memoryview, reservation: str = "") -> str:
         channel = self._data_channel(replica)
         if channel is not None:
             try:
-                return channel.upload(data, self._timeout)
+                return channel.upload(data, self._timeout, reservation)
             except NoConnection as exc:
                 self._no_connection(replica, exc)
+        metadata = self._metadata() + ((("x-aclnn-reservation", reservation),) if reservation else ())
         try:
             stub = self._pool.stub(replica)
-            reply = stub.UploadTensor(to_chunks(data), metadata=self._metadata(), timeout=self._timeout)
+            reply = stub.UploadTensor(to_chunks(data), metadata=metadata, timeout=self._timeout)
         except grpc.RpcError as error:
             raise decode_error(error) from None
         return reply.handle
+
+    def _reserve(self, replica: int, request: pb.CallReservation) -> str:
+        return self._call_on(replica, "ReserveCall", request).reservation
+
+    def _release_reservation(self, replica: int, reservation: str) -> None:
+        try:
+            self._call_on(replica, "ReleaseReservation", pb.Reservation(reservation=reservation))
+        except AclnnError:
+            pass  # gone with its replica, or it ends by itself
 
     def _download(self, replica: int, handle: str, view: Any) -> None:
         channel = self._data_channel(replica)
@@ -599,6 +613,7 @@ class _Transfers:
         self.client = client
         self.shared_memory = client._shared_memory
         self.upload, self.download, self.free = client._upload, client._download, client._free
+        self.reserve, self.release_reservation = client._reserve, client._release_reservation
         self.region, self.retire, self.release = client._region, client._retire, client._regions.release
 
     @property

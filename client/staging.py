@@ -24,8 +24,14 @@ class Transfers(Protocol):
     max_inline_bytes: int  # larger tensors are uploaded, larger results kept on the server
     shared_memory: bool
 
-    def upload(self, replica: int, data: memoryview) -> str:
-        """Stores the bytes on the replica; returns their handle."""
+    def upload(self, replica: int, data: memoryview, reservation: str = "") -> str:
+        """Stores the bytes on the replica (in the memory of a call's reservation); returns their handle."""
+
+    def reserve(self, replica: int, request: pb.CallReservation) -> str:
+        """Reserves a call's memory on the replica (waiting its turn); returns the reservation."""
+
+    def release_reservation(self, replica: int, reservation: str) -> None:
+        """Gives back a reservation no call used (best effort: it ends by itself otherwise)."""
 
     def download(self, replica: int, handle: str, view: np.ndarray) -> None:
         """Writes a result kept on the replica straight into `view`."""
@@ -68,6 +74,8 @@ class Staging:
         self.regions: list[Region] = []
         self.output_regions: dict[str, Region] = {}
         self.kept = False  # results asked to stay on the server
+        self.reservation = ""  # the call's memory on its replica, reserved before its uploads
+        self._reserved_on = 0
 
     @property
     def stateless(self) -> bool:
@@ -82,6 +90,8 @@ class Staging:
 
     def reset(self, failed: bool) -> None:
         """Gives back what an attempt took (at the end, or after a failed attempt before a retry)."""
+        if failed and self.reservation:  # a call that ran used it up; one that did not may not have
+            self.transfers.release_reservation(self._reserved_on, self.reservation)
         for replica, handle in self.handles:
             self.transfers.free(replica, handle)
         if failed:
@@ -89,25 +99,46 @@ class Staging:
         else:
             self.transfers.release(self.regions)
         self.handles, self.regions, self.output_regions, self.kept = [], [], {}, False
+        self.reservation = ""
 
-    def input(self, replica: int, name: str, tensor: Tensor) -> bytes | pb.StorageRef:
-        """The tensor's storage inline, as a shared-memory slice, or uploaded in chunks (large)."""
-        data = byte_view(tensor.data)
-        region = self._region(replica, data.nbytes)
-        if region is not None:
-            region[0].array[: data.nbytes] = np.frombuffer(data, np.uint8)
-            return pb.StorageRef(region=pb.RegionSlice(region=region[1], offset=0, size=data.nbytes))
-        if data.nbytes > self.transfers.max_inline_bytes:
-            try:
-                handle = self.transfers.upload(replica, data)
-            except AclnnError as error:  # an upload refused for its size: the tensor's fault, by its name
-                if error.param != "chunk":
-                    raise
-                message = error.message.removeprefix("chunk: ")
-                raise AclnnError(error.code, f"{name}: {message}", name, error.grpc_code) from None
-            self.handles.append((replica, handle))
-            return pb.StorageRef(handle=handle)
-        return data.tobytes()
+    def inputs(
+        self, replica: int, tensors: Mapping[str, Tensor], reservation: pb.CallReservation
+    ) -> dict[str, bytes | pb.StorageRef]:
+        """Each tensor's storage inline, as a shared-memory slice, or uploaded (large ones).
+
+        Uploads come after the call's memory was reserved as one unit (`reservation`: the call's
+        descriptors and placements, placed already), so that no call holds its first upload while
+        waiting for memory another call's first upload holds."""
+        data = {name: byte_view(tensor.data) for name, tensor in tensors.items()}
+        regions = {name: self._region(replica, view.nbytes) for name, view in data.items()}
+        uploads = [
+            n for n, view in data.items() if regions[n] is None and view.nbytes > self.transfers.max_inline_bytes
+        ]
+        if uploads:
+            reservation.uploads.extend(uploads)
+            self.reservation, self._reserved_on = self.transfers.reserve(replica, reservation), replica
+        staged: dict[str, bytes | pb.StorageRef] = {}
+        for name, view in data.items():
+            region = regions[name]
+            if region is not None:
+                region[0].array[: view.nbytes] = np.frombuffer(view, np.uint8)
+                staged[name] = pb.StorageRef(region=pb.RegionSlice(region=region[1], offset=0, size=view.nbytes))
+            elif name in uploads:
+                staged[name] = pb.StorageRef(handle=self._upload(replica, name, view))
+            else:
+                staged[name] = view.tobytes()
+        return staged
+
+    def _upload(self, replica: int, name: str, data: memoryview) -> str:
+        try:
+            handle = self.transfers.upload(replica, data, self.reservation)
+        except AclnnError as error:  # an upload refused for its size: the tensor's fault, by its name
+            if error.param != "chunk":
+                raise
+            message = error.message.removeprefix("chunk: ")
+            raise AclnnError(error.code, f"{name}: {message}", name, error.grpc_code) from None
+        self.handles.append((replica, handle))
+        return handle
 
     def place(self, replica: int, sizes: Mapping[str, int], placements: Any) -> None:
         """Large results stay on the server (then stream back); with shared memory they land in a region."""

@@ -11,6 +11,8 @@ else while it waits (the server takes a closed connection for a cancelled call):
     CALL      payload = name_length:u8 method name, request message; reply: the response message
     UPLOAD    length = the tensor's size; reply (empty) when the bytes are accepted, then the
               client sends them; reply: TensorHandle
+    RESERVED_UPLOAD  payload = size:u64, the id of a call reservation (ReserveCall) whose memory the
+              upload takes; then as UPLOAD: reply (empty), the bytes, reply: TensorHandle
     DOWNLOAD  payload = TensorHandle message; reply: the raw bytes
     REGISTER_REGION    (Unix socket) payload = size:u64; reply (empty) when the server is ready for
               the descriptor, then the client sends one byte with one memfd as SCM_RIGHTS ancillary
@@ -49,6 +51,7 @@ MAGIC = b"ACLNNDC1"
 TICKET_BYTES = 16
 CALL, UPLOAD, DOWNLOAD, REGISTER_REGION, UNREGISTER_REGION, MAILBOX = 1, 2, 3, 4, 5, 6
 WRITE_BUFFER, READ_BUFFER = 7, 8
+RESERVED_UPLOAD = 10
 IN_MAILBOX = 0x80  # on a CALL's kind: the payload is in the connection's mailbox
 # A Unix-socket buffer holds ~36.5 KiB (one page-sized head and 32 KiB of pages): payloads above
 # this travel in the connection's mailbox, of at most MAILBOX_MAX_BYTES.
@@ -71,6 +74,8 @@ METHODS: dict[str, tuple[type, type]] = {
     "CopyBuffer": (pb.BufferCopy, pb.Empty),
     "FillBuffer": (pb.BufferFill, pb.Empty),
     "Synchronize": (pb.Empty, pb.Empty),
+    "ReserveCall": (pb.CallReservation, pb.Reservation),
+    "ReleaseReservation": (pb.Reservation, pb.Empty),
 }
 # A WRITE_BUFFER of up to this many bytes carries them in its message (one exchange); larger ones
 # follow as raw bytes once the server accepted the write.

@@ -1,16 +1,19 @@
-"""Admission control: bounded concurrency, one call at a time per stream, memory from the ledger,
-a bounded wait queue, deadlines and cancellation."""
+"""Admission control: bounded concurrency, one call at a time per stream, memory from the ledger
+taken as one unit, a bounded wait queue served fairly across identities, deadlines and cancellation."""
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import threading
 import time
 from collections.abc import Callable, Hashable, Iterator
+from typing import Any
 
 from aclnn_common.errors import Status
 
 from .errors import CapacityError
-from .ledger import RUNNING, Hold, MemoryLedger
+from .ledger import Hold, MemoryLedger, Parts
 
 
 class CallAbandoned(Exception):
@@ -21,126 +24,271 @@ class CallAbandoned(Exception):
         self.reason = reason  # "deadline" or "cancelled"
 
 
+class _Waiter:
+    """A call in the queue: what it needs, and what it was given (its holds, or a refusal)."""
+
+    __slots__ = ("condition", "error", "held", "holds", "needs_slot", "owner", "parts", "stream")
+
+    def __init__(
+        self, owner: str | None, parts: Parts, stream: Hashable | None, held: int, needs_slot: bool, lock: Any
+    ) -> None:
+        self.owner, self.parts, self.stream, self.held, self.needs_slot = owner, parts, stream, held, needs_slot
+        self.holds: dict[str, Hold] | None = None
+        self.error: CapacityError | None = None
+        self.condition = threading.Condition(lock)
+
+
 class Admission:
-    """At most `max_concurrency` executions at once, each holding its bytes in the ledger, and
-    never two of one stream at once; up to `max_queue` more wait their turn (for a slot, their
-    stream or memory), the rest are refused at once."""
+    """At most `max_concurrency` executions at once, each holding its memory (all its parts, or
+    none of them), and never two of one stream at once; up to `max_queue` more wait their turn
+    (at most `max_queue_per_identity` of one identity), the rest are refused at once.
+
+    A freed slot or freed memory goes to the identities in turn (round robin), so a tenant with
+    many queued calls delays another's by at most one call each. Within an identity calls go in
+    arrival order; one whose stream is busy lets the next pass, one that waits for memory does
+    not, so a large call is never starved by small ones. A call that waits for memory that no
+    running call will free is refused at once when it is its identity's only call here — unless
+    later calls of its own identity, waiting too, hold memory it needs (their requests): then the
+    latest of those is refused instead, so the oldest always goes ahead and calls of one identity
+    cannot livelock each other. With other calls of its identity here it waits (their clients
+    free what they kept once they end), up to its deadline or MAX_WAIT_S.
+    """
 
     # How often a waiting call looks at its caller's cancellation.
     _POLL_S = 0.05
     # A call without a deadline waits this long at most for memory or a slot, then is refused.
     MAX_WAIT_S = 60.0
 
-    def __init__(self, max_concurrency: int, max_queue: int, ledger: MemoryLedger) -> None:
+    def __init__(
+        self, max_concurrency: int, max_queue: int, ledger: MemoryLedger, max_queue_per_identity: int | None = None
+    ) -> None:
         self.max_concurrency, self.max_queue, self.ledger = max_concurrency, max_queue, ledger
+        self.max_queue_per_identity = max_queue_per_identity or max(1, max_queue // 2)
         self.running = self.waiting = 0
         self._busy_streams: set[Hashable] = set()
-        self._cond = ledger.condition  # a release in the ledger wakes waiting calls
-
-    def _slot_free(self, stream: Hashable | None) -> bool:
-        return self.running < self.max_concurrency and (stream is None or stream not in self._busy_streams)
-
-    def _try_start(self, owner: str | None, nbytes: int, stream: Hashable | None) -> Hold | None:
-        if not self._slot_free(stream):
-            return None
-        if not nbytes:
-            return Hold(self.ledger, owner, 0, RUNNING)  # nothing to hold: the ledger is not involved
-        return self.ledger.try_reserve(owner, nbytes, RUNNING)
+        self._running_by_owner: collections.Counter[str | None] = collections.Counter()
+        self._queues: dict[str | None, collections.deque[_Waiter]] = {}
+        self._turns: collections.deque[str | None] = collections.deque()  # identities with waiting calls, in turn
+        self._lock = ledger.condition  # memory given back to the ledger lets a queued call go (_dispatch)
+        ledger.on_release = self._dispatch
 
     @contextlib.contextmanager
     def slot(
         self,
-        nbytes: int,
+        parts: Parts,
         owner: str | None = None,
         stream: Hashable | None = None,
         deadline: float | None = None,
         cancelled: Callable[[], bool] = lambda: False,
-    ) -> Iterator[tuple[float, Hold]]:
-        """Holds an execution slot and `nbytes` of memory for the block; yields (seconds waited, the hold)."""
+        held: int = 0,
+    ) -> Iterator[tuple[float, dict[str, Hold]]]:
+        """Holds an execution slot and memory of `parts` for the block; yields (seconds waited, the holds
+        by kind). `held`: bytes the call holds already (its request), which a queued call of the same
+        identity may need."""
         started = time.monotonic()
-        give_up = min(deadline if deadline is not None else float("inf"), started + self.MAX_WAIT_S)
-        with self._cond:
-            self._check_alive(deadline, cancelled, liveness_due=float("inf"))  # the deadline only
-            hold = self._try_start(owner, nbytes, stream)
-            if hold is None:
-                hold = self._wait_for_start(owner, nbytes, stream, deadline, give_up, cancelled)
-            self.running += 1
-            if stream is not None:
-                self._busy_streams.add(stream)
+        with self._lock:
+            _check_alive(deadline, cancelled, liveness_due=float("inf"))  # the deadline only
+            holds = self._start_now(owner, parts, stream, needs_slot=True)
+            if holds is None:
+                waiter = _Waiter(owner, parts, stream, held, True, self._lock)
+                holds = self._wait(waiter, deadline, started, cancelled)
         try:
-            yield time.monotonic() - started, hold
+            yield time.monotonic() - started, holds
         finally:
-            with self._cond:
-                self.running -= 1
-                self._busy_streams.discard(stream)
-                self._cond.notify_all()
+            with self._lock:
+                self._finished(owner, stream)
 
-    def _wait_for_start(
+    def hold(
         self,
-        owner: str | None,
-        nbytes: int,
-        stream: Hashable | None,
-        deadline: float | None,
-        give_up: float,
-        cancelled: Callable[[], bool],
-    ) -> Hold:
-        """Queued until a slot (and the stream's turn, and the memory) is free; the condition is held.
+        parts: Parts,
+        owner: str | None = None,
+        deadline: float | None = None,
+        cancelled: Callable[[], bool] = lambda: False,
+    ) -> dict[str, Hold]:
+        """Memory of `parts` as one unit, in turn with waiting calls but without a slot (a call's
+        reservation, taken before its bytes are sent); the caller releases the holds."""
+        started = time.monotonic()
+        with self._lock:
+            _check_alive(deadline, cancelled, liveness_due=float("inf"))
+            holds = self._start_now(owner, parts, None, needs_slot=False)
+            if holds is None:
+                holds = self._wait(_Waiter(owner, parts, None, 0, False, self._lock), deadline, started, cancelled)
+        return holds
+
+    def _finished(self, owner: str | None, stream: Hashable | None) -> None:
+        self.running -= 1
+        self._running_by_owner[owner] -= 1
+        if not self._running_by_owner[owner]:
+            del self._running_by_owner[owner]
+        self._busy_streams.discard(stream)
+        self._dispatch()
+
+    def _start_now(
+        self, owner: str | None, parts: Parts, stream: Hashable | None, needs_slot: bool
+    ) -> dict[str, Hold] | None:
+        """The holds of a call that may start at once (nobody waits before it, a slot and its memory are free)."""
+        if self._queues or (needs_slot and not self._slot_free(stream)):
+            return None
+        holds = self._reserve(owner, parts)
+        if holds is not None and needs_slot:
+            self._started(owner, stream)
+        return holds
+
+    def _slot_free(self, stream: Hashable | None) -> bool:
+        return self.running < self.max_concurrency and (stream is None or stream not in self._busy_streams)
+
+    def _reserve(self, owner: str | None, parts: Parts) -> dict[str, Hold] | None:
+        if not any(parts.values()):  # nothing to hold: the ledger is not involved
+            return {kind: Hold(self.ledger, owner, 0, kind) for kind in parts}
+        return self.ledger.try_reserve_parts(owner, parts)
+
+    def _started(self, owner: str | None, stream: Hashable | None) -> None:
+        self.running += 1
+        self._running_by_owner[owner] += 1
+        if stream is not None:
+            self._busy_streams.add(stream)
+
+    def _wait(
+        self, waiter: _Waiter, deadline: float | None, started: float, cancelled: Callable[[], bool]
+    ) -> dict[str, Hold]:
+        """Queued until `_dispatch` gives the call its slot and memory, or refuses it; the lock is held.
 
         The deadline is looked at on every wake-up, the caller's liveness once per poll interval
-        (and before the call starts, when one has passed): under load every finished call wakes
-        the queue, and asking a transport whether its peer is gone costs a system call, made
-        with the lock held.
+        (and before the call starts, when one has passed): asking a transport whether its peer is
+        gone costs a system call, made with the lock held.
         """
-        if self.waiting >= self.max_queue:
-            raise self._busy()
+        queue = self._queues.get(waiter.owner)
+        if self.waiting >= self.max_queue or (queue is not None and len(queue) >= self.max_queue_per_identity):
+            raise self._busy(queue is not None and len(queue) >= self.max_queue_per_identity)
+        if queue is None:
+            queue = self._queues[waiter.owner] = collections.deque()
+            self._turns.append(waiter.owner)
+        queue.append(waiter)
         self.waiting += 1
+        give_up = min(deadline if deadline is not None else float("inf"), started + self.MAX_WAIT_S)
         liveness_due = time.monotonic() + self._POLL_S
         try:
-            while True:
-                liveness_due = self._check_alive(deadline, cancelled, liveness_due)
-                for_memory = self._slot_free(stream)  # else it waits for a slot or its stream's turn
-                if for_memory and not self.ledger.waiting_helps(owner, nbytes):
-                    raise self.ledger.refusal(owner, nbytes, "call", "op")  # no running call will free it
+            self._dispatch()
+            while waiter.holds is None:
+                if waiter.error is not None:
+                    raise waiter.error
+                liveness_due = _check_alive(deadline, cancelled, liveness_due)
                 now = time.monotonic()
                 if now >= give_up:
-                    raise self._busy()
-                self.ledger.memory_waiters += for_memory
-                try:
-                    self._cond.wait(max(min(self._POLL_S, give_up - now), 0.0))
-                finally:
-                    self.ledger.memory_waiters -= for_memory
-                hold = self._try_start(owner, nbytes, stream)
-                if hold is not None:
-                    try:
-                        self._check_alive(deadline, cancelled, liveness_due)  # the wait may have outlived the caller
-                    except CallAbandoned:
-                        hold.release()
-                        raise
-                    return hold
-        finally:
-            self.waiting -= 1
+                    raise self._busy(False)
+                waiter.condition.wait(max(min(self._POLL_S, give_up - now), 0.0))
+        except BaseException:
+            if waiter.holds is not None:  # given its turn as it gave up
+                self._give_back(waiter)
+            else:
+                self._leave(waiter)
+                self._dispatch()
+            raise
+        try:
+            _check_alive(deadline, cancelled, liveness_due)  # the wait may have outlived the caller
+        except CallAbandoned:
+            self._give_back(waiter)
+            raise
+        return waiter.holds
 
-    def _busy(self) -> CapacityError:
-        return CapacityError(
-            Status.INNER_CREATE_EXECUTOR,
-            f"server busy: {self.running} running, {self.waiting} queued (max {self.max_queue}); retry shortly",
-            "op",
-        )
+    def _give_back(self, waiter: _Waiter) -> None:
+        """What a call was given as it gave up waiting."""
+        for hold in waiter.holds.values():
+            hold.release()
+        if waiter.needs_slot:
+            self._finished(waiter.owner, waiter.stream)
 
-    def _check_alive(self, deadline: float | None, cancelled: Callable[[], bool], liveness_due: float) -> float:
-        """CallAbandoned past the deadline, or once the caller is gone (asked only when `liveness_due`
-        has come); returns when its liveness is due next."""
-        now = time.monotonic()
-        if deadline is not None and now >= deadline:
-            raise self._abandoned("deadline")
-        if now < liveness_due:
-            return liveness_due
-        if cancelled():
-            raise self._abandoned("cancelled")
-        return now + self._POLL_S
+    def _leave(self, waiter: _Waiter) -> None:
+        queue = self._queues.get(waiter.owner)
+        if queue is None or waiter not in queue:
+            return
+        queue.remove(waiter)
+        self.waiting -= 1
+        if not queue:
+            del self._queues[waiter.owner]
+            self._turns.remove(waiter.owner)
+
+    def _dispatch(self) -> None:
+        """Gives free slots and memory to waiting calls, one identity after another; the lock is held."""
+        progress = True
+        while progress and self._turns:
+            progress = False
+            for _ in range(len(self._turns)):
+                if not self._turns:
+                    return
+                owner = self._turns[0]
+                self._turns.rotate(-1)  # the next turn is the next identity's
+                waiter = self._next_of(owner)
+                if waiter is not None:
+                    self._leave(waiter)
+                    if waiter.needs_slot:
+                        self._started(owner, waiter.stream)
+                    waiter.condition.notify()
+                    progress = True
+                    break
+
+    def _next_of(self, owner: str | None) -> _Waiter | None:
+        """The identity's first call in arrival order that can have a slot (if it needs one) and its
+        stream, given its memory; None when none can go now. A call whose memory is not free stops
+        the identity's later calls that need memory too (those that need none, a reserved call among
+        them, may pass: they take nothing it waits for)."""
+        blocked = False
+        for waiter in self._queues.get(owner, ()):
+            if (waiter.needs_slot and not self._slot_free(waiter.stream)) or (blocked and any(waiter.parts.values())):
+                continue
+            waiter.holds = self._reserve(owner, waiter.parts)
+            if waiter.holds is not None:
+                return waiter
+            if not self.ledger.waiting_helps(owner, waiter.parts):  # no running call will free it
+                latest = self._latest_holding(self._queues[owner], waiter)
+                if latest is not None or self._alone(owner):
+                    self._refuse(latest or waiter)
+                    return None
+            blocked = True
+        return None
+
+    def _alone(self, owner: str | None) -> bool:
+        """Whether an identity has one call here, queued, and none running: nothing of its own that
+        ends by itself (and whose client may then free tensors) could make room for it."""
+        return len(self._queues[owner]) == 1 and not self._running_by_owner.get(owner)
 
     @staticmethod
-    def _abandoned(reason: str) -> CallAbandoned:
-        if reason == "deadline":
-            return CallAbandoned(reason, "the call's deadline passed before it could run; it was not run")
-        return CallAbandoned(reason, "the call was cancelled before it ran; it was not run")
+    def _latest_holding(queue: collections.deque[_Waiter], first: _Waiter) -> _Waiter | None:
+        """The latest call after `first` in its identity's queue that holds memory already (its request)."""
+        for waiter in reversed(queue):
+            if waiter is first:
+                return None
+            if waiter.held:
+                return waiter
+        return None
+
+    def _refuse(self, waiter: _Waiter) -> None:
+        waiter.error = self.ledger.refusal(waiter.owner, waiter.parts, "op")
+        self._leave(waiter)
+        waiter.condition.notify()
+
+    def _busy(self, own_share: bool) -> CapacityError:
+        if own_share:
+            message = f"this caller has {self.max_queue_per_identity} calls queued, its share of the queue"
+        else:
+            message = f"server busy: {self.running} running, {self.waiting} queued (max {self.max_queue})"
+        return CapacityError(Status.INNER_CREATE_EXECUTOR, message + "; retry shortly", "op")
+
+
+def _check_alive(deadline: float | None, cancelled: Callable[[], bool], liveness_due: float) -> float:
+    """CallAbandoned past the deadline, or once the caller is gone (asked only when `liveness_due`
+    has come); returns when its liveness is due next."""
+    now = time.monotonic()
+    if deadline is not None and now >= deadline:
+        raise _abandoned("deadline")
+    if now < liveness_due:
+        return liveness_due
+    if cancelled():
+        raise _abandoned("cancelled")
+    return now + Admission._POLL_S
+
+
+def _abandoned(reason: str) -> CallAbandoned:
+    if reason == "deadline":
+        return CallAbandoned(reason, "the call's deadline passed before it could run; it was not run")
+    return CallAbandoned(reason, "the call was cancelled before it ran; it was not run")

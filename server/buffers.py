@@ -201,10 +201,10 @@ class BufferStore:
                 raise invalid_error("buffer", f"device buffer {buffer_id[:8]!r}... is unknown or freed")
             self._drop(buffer)
 
-    def end_session(self, session: str) -> None:
-        """Frees every buffer of a session that ended (calls still using one keep its memory until they end)."""
+    def end_session(self, owner: str | None, session: str) -> None:
+        """Frees every buffer of an identity's session that ended (calls using one keep its memory until they end)."""
         with self._cond:
-            for buffer in [b for b in self._buffers.values() if b.session == session]:
+            for buffer in [b for b in self._buffers.values() if (b.owner, b.session) == (owner, session)]:
                 del self._buffers[buffer.id]
                 self._drop(buffer)
 

@@ -96,6 +96,15 @@ class ServerOptions(BaseSettings):
         None, ge=1, description="bytes of the budget one identity may hold at once (default: half of the budget)"
     )
     max_tenant_executors: int = Field(1024, ge=1, description="executors one identity may hold at once")
+    max_tenant_sessions: int = Field(
+        256, ge=1, description="client sessions one identity may have alive at once; beyond: RESOURCE_EXHAUSTED"
+    )
+    max_tenant_queue: int | None = Field(
+        None,
+        ge=1,
+        description="executions of one identity waiting in the queue (default: half of --max-queue); "
+        "beyond: RESOURCE_EXHAUSTED at once",
+    )
     max_tenant_calls: int | None = Field(
         None,
         ge=1,

@@ -11,7 +11,7 @@ import os
 import pathlib
 import threading
 import time
-from collections.abc import Callable, Hashable, Iterator, Mapping
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -25,10 +25,11 @@ from .backends import Backend, NumpyBackend, create_backend, fastest_cpu_backend
 from .buffers import Buffer, BufferStore, DeviceMemory, HostMemory, ResidentStorage
 from .descriptors import TensorDesc
 from .executors import ExecutorStore
-from .ledger import SMALL_HOLD_BYTES, SMALL_WORKSPACE_BYTES, Hold, MemoryLedger
+from .ledger import RUNNING, SMALL_HOLD_BYTES, SMALL_WORKSPACE_BYTES, Hold, MemoryLedger
 from .ops import OPERATORS
 from .params import CallParams, Kind
 from .registry import Operator, Plan
+from .reservations import Reservations
 from .streams import StreamKey, StreamQueues
 
 log = logging.getLogger("aclnn_server")
@@ -82,12 +83,16 @@ class CallContext:
     session: str | None = None  # the client session holding its handles and regions
     stream: int | None = None  # calls on one stream (per owner) never run concurrently
     placed: frozenset[str] = frozenset()  # outputs the transport delivers outside its reply
+    kept: frozenset[str] = frozenset()  # of those, the ones kept on the server (held as stored tensors)
     deadline: float | None = None  # time.monotonic() after which the work is not started
     cancelled: Callable[[], bool] = field(default=lambda: False)
     op: str = ""
     # Set by a transport that sends results after the engine returns: the outputs' memory stays held
     # (in these holds) until the reply is gone. None: the engine releases everything itself.
     holds: list[Hold] | None = None
+    results: Hold | None = None  # the kept outputs' bytes, reserved as stored tensors with the call's
+    reserved: dict[str, Hold] | None = None  # a reservation's holds the call runs on (ReserveCall)
+    executor: str = ""  # the executor a reservation is for
     bytes_in: int = 0  # bytes a streaming call moved (unary calls measure their messages)
     bytes_out: int = 0
     queue_s: float = 0.0
@@ -110,6 +115,7 @@ class Engine:
         max_result_bytes: int | None = None,
         max_concurrency: int = 2,
         max_queue: int = 64,
+        max_tenant_queue: int | None = None,
         device: int = 0,
         torch_device: str = "cpu",
         load_in_background: bool = False,
@@ -149,10 +155,22 @@ class Engine:
         self.ledger = MemoryLedger(self.memory_budget_bytes, max_tenant_bytes)
         # A transport that returns results in one message caps their size (None: no cap).
         self.max_result_bytes = max_result_bytes
-        self.admission = Admission(max_concurrency, max_queue, self.ledger)
+        self.admission = Admission(max_concurrency, max_queue, self.ledger, max_tenant_queue)
+        self.reservations = Reservations()
         self._plans = PlanCache()
         self.buffers = BufferStore(self.ledger, self._device_memory)
         self.streams = StreamQueues()
+
+    def end_session(self, owner: str | None, session: str) -> None:
+        """An identity's client session ended (closed, or its lease lapsed; Storage calls this, whichever
+        call or thread noticed): its executors, reservations, queued calls and buffers go."""
+        self.executors.end_session(owner, session)
+        self.reservations.end_session(owner, session)
+        self.streams.end_session(owner, session)
+        self.buffers.end_session(owner, session)
+        end_session = getattr(self.backend, "end_session", None)  # a backend that keeps per-session device state
+        if end_session is not None:
+            end_session(owner, session)
 
     def _start_auto(self, device: int, torch_device: str, in_background: bool) -> None:
         """`auto`: the NPU when CANN and a device are here; else the reference at once, and the cpu
@@ -238,15 +256,6 @@ class Engine:
         """The backend's memory for device buffers (host memory unless it offers its own)."""
         device_memory = getattr(self.backend, "device_memory", None)
         return device_memory() if device_memory is not None else HostMemory()
-
-    def end_session(self, session: str) -> None:
-        """A client session ended (closed, or its lease lapsed): its executors, queued calls and buffers go."""
-        self.executors.end_session(session)
-        self.streams.end_session(session)
-        self.buffers.end_session(session)
-        end_session = getattr(self.backend, "end_session", None)  # a backend that keeps per-session device state
-        if end_session is not None:
-            end_session(session)
 
     def get_workspace_size(
         self, op: str, values: Mapping[str, Value], call: CallContext | None = None
@@ -504,13 +513,50 @@ class Engine:
     def _admitted(
         self, plan: Plan, workspace_size: int, call: CallContext, resident: frozenset[str] = frozenset()
     ) -> Iterator[None]:
-        """An execution slot with memory for the call's outputs and workspace (see Admission).
+        """An execution slot with memory for the call's outputs and workspace (see Admission), taken
+        now or from the call's reservation (`call.reserved`).
 
         Inputs are held already (in their message, upload, executor or device buffer), and so are
         the `resident` outputs, computed in their device buffers. The outputs stay held after
         compute, in `call.holds`, when the transport sends them later.
         """
-        inline = [t for name, t in plan.outputs.items() if name not in call.placed and name not in resident]
+        parts = self._call_parts(plan, workspace_size, call, resident)
+        reserved, call.reserved = call.reserved, None
+        if reserved is not None and all(reserved[kind].nbytes >= n for kind, n in parts.items()):
+            for kind, n in parts.items():
+                reserved[kind].shrink(n)  # what a reservation holds beyond what the call needs
+            needed, given = dict.fromkeys(parts, 0), reserved
+        else:
+            for hold in (reserved or {}).values():
+                hold.release()  # reserved for another call than this: it waits its turn like any other
+            needed, given = parts, None
+        held = sum(hold.nbytes for hold in call.holds or ())
+        stream = None if call.stream is None else (call.owner, call.session, call.stream)
+        with self.admission.slot(needed, call.owner, stream, call.deadline, call.cancelled, held) as (waited, holds):
+            holds = given or holds
+            call.queue_s += waited
+            try:
+                yield
+            except BaseException:
+                for hold in holds.values():
+                    hold.release()
+                raise
+        hold, call.results = holds[RUNNING], holds["result"]
+        if call.holds is None:
+            hold.release()
+            call.results.release()  # in process nothing is kept
+        else:
+            hold.shrink(parts[RUNNING] - self._workspace_held(workspace_size))  # the workspace is free again
+            call.holds += [hold, call.results]  # the outputs until the reply is sent; results split off as kept
+
+    def _call_parts(
+        self, plan: Plan, workspace_size: int, call: CallContext, resident: frozenset[str] = frozenset()
+    ) -> dict[str, int]:
+        """What a call holds while it runs, by kind: its workspace, its outputs' arrays and the encoded
+        copy of those sent inline (until the reply is sent), and its kept outputs as stored tensors.
+        `resident` outputs are computed in their device buffers (held as such already)."""
+        outputs = {name: t for name, t in plan.outputs.items() if name not in resident}
+        inline = [t for name, t in outputs.items() if name not in call.placed]
         inline_bytes = sum(t.numel * t.dtype.itemsize for t in inline)
         if self.max_result_bytes is not None and inline_bytes > self.max_result_bytes:
             raise invalid_error(
@@ -518,28 +564,37 @@ class Engine:
                 f"results of {inline_bytes} bytes exceed the max message size of {self.max_result_bytes}: "
                 "keep them on the server (placements) or raise --max-message-bytes",
             )
-        output_bytes = sum(t.numel * t.dtype.itemsize for name, t in plan.outputs.items() if name not in resident)
-        # Small ones are not held (see SMALL_HOLD_BYTES); a kept result always is.
-        if output_bytes <= SMALL_HOLD_BYTES and not call.placed:
+        kept_bytes = sum(t.numel * t.dtype.itemsize for name, t in outputs.items() if name in call.kept)
+        output_bytes = sum(t.numel * t.dtype.itemsize for t in outputs.values()) - kept_bytes + inline_bytes
+        self._check_budget(plan, workspace_size, {RUNNING: workspace_size + output_bytes, "result": kept_bytes})
+        if output_bytes <= SMALL_HOLD_BYTES:  # small ones are not held (see SMALL_HOLD_BYTES)
             output_bytes = 0
-        if workspace_size <= SMALL_WORKSPACE_BYTES:
-            workspace_size = 0
-        stream = None if call.stream is None else (call.owner, call.session, call.stream)
-        with self.admission.slot(workspace_size + output_bytes, call.owner, stream, call.deadline, call.cancelled) as (
-            waited,
-            hold,
-        ):
-            call.queue_s += waited
-            try:
-                yield
-            except BaseException:
-                hold.release()
-                raise
-        if call.holds is None:
-            hold.release()
+        return {RUNNING: self._workspace_held(workspace_size) + output_bytes, "result": kept_bytes}
+
+    @staticmethod
+    def _workspace_held(workspace_size: int) -> int:
+        return 0 if workspace_size <= SMALL_WORKSPACE_BYTES else workspace_size
+
+    def reserve(
+        self, call: CallContext, uploads: Sequence[str], op: str = "", values: Mapping[str, Value] | None = None
+    ) -> tuple[dict[str, Hold], list[int]]:
+        """The memory of a Run of `op` (or, with no `op`, an Execute of `call.executor`) as one unit, in
+        turn with every waiting call: the inputs named in `uploads`, and what the call holds while it
+        runs. 161002 at once, naming its largest tensor, when it could never fit. Returns the holds and
+        the uploads' sizes."""
+        if op:
+            plan, workspace_size = self._plan(op, values or {}, call)[1:]
         else:
-            hold.shrink(output_bytes)  # the workspace is free again; the outputs until the reply is sent
-            call.holds.append(hold)
+            entry = self.executors.get(call.executor, call.owner)
+            call.op, plan, workspace_size = entry.operator.name, entry.plan, entry.workspace_size
+        unknown = sorted(set(uploads) - set(plan.inputs))
+        if unknown:
+            raise invalid_error(unknown[0], f"is not an input tensor of this {call.op} call")
+        sizes = [plan.inputs[name].storage_nbytes for name in uploads]
+        parts = {"upload": sum(sizes), **self._call_parts(plan, workspace_size, call)}
+        largest = max(uploads, key=lambda name: plan.inputs[name].storage_nbytes, default="op")
+        self.ledger.check_possible(parts, largest)
+        return self.admission.hold(parts, call.owner, call.deadline, call.cancelled), sizes
 
     def _plan(self, op: str, values: Mapping[str, Value], call: CallContext) -> tuple[Operator, Plan, int]:
         """The error table's verdict (cached per descriptors), then the backend's workspace for it."""
@@ -568,15 +623,21 @@ class Engine:
         tensors = operator.signature.checked_tensors(values)
         return operator, operator.validate(CallParams(operator.signature, values, tensors))
 
-    def _check_budget(self, plan: Plan, workspace_size: int) -> None:
-        """161002 for a call that could never fit one caller's memory: no allocation sized by a client's whim."""
+    def _check_budget(self, plan: Plan, workspace_size: int, parts: Mapping[str, int] | None = None) -> None:
+        """161002 for a call that could never fit one caller's memory, naming its largest tensor: its
+        inputs with `parts` (what it holds while it runs: by default its outputs and workspace) as
+        they are held together. No allocation is sized by a client's whim, and no call waits or
+        is retried for memory it can never have."""
         tensors = [*plan.inputs.values(), *plan.outputs.values()]
-        sizes = [t.numel * t.dtype.itemsize for t in tensors]
-        if max(sizes, default=0) > self.ledger.tenant_bytes:  # the message names the first at fault
-            for t, size in zip(tensors, sizes):
-                self.ledger.check_possible(size, t.name)
-        total = workspace_size + sum(sizes[len(plan.inputs) :])
-        self.ledger.check_possible(total, next(iter(plan.outputs), "op"))
+        # An input holds its storage (a broadcast view's is small); an output, a fresh array of its view.
+        sizes = [t.storage_nbytes for t in plan.inputs.values()] + [
+            t.numel * t.dtype.itemsize for t in plan.outputs.values()
+        ]
+        if parts is None:
+            parts = {RUNNING: workspace_size + sum(sizes[len(plan.inputs) :])}
+        whole = {**parts, RUNNING: parts.get(RUNNING, 0) + sum(sizes[: len(plan.inputs)])}
+        largest = max(range(len(tensors)), key=sizes.__getitem__, default=None)
+        self.ledger.check_possible(whole, "op" if largest is None else tensors[largest].name)
 
     @staticmethod
     def _bind_inputs(

@@ -58,6 +58,11 @@ class ExecutorStore:
         self._per_owner: collections.Counter[str | None] = collections.Counter()
         self._clock = clock
         self._entries: dict[str, ExecutorEntry] = {}
+        # Expiry without a scan: those never executed in creation order, executed ones without a
+        # session in order of last use (each use moves one to the end); the others end with their session.
+        self._unexecuted: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._sessionless: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._by_session: dict[tuple[str | None, str], set[str]] = {}
         self._ended: collections.OrderedDict[str, str] = collections.OrderedDict()
         self._lock = threading.Lock()
 
@@ -94,12 +99,15 @@ class ExecutorStore:
                 operator, plan, workspace_size, data, now, owner, session, hold, last_used=now
             )
             self._per_owner[owner] += 1
+            self._unexecuted[executor_id] = None
+            if session is not None:
+                self._by_session.setdefault((owner, session), set()).add(executor_id)
             return executor_id
 
-    def end_session(self, session: str) -> None:
-        """Ends every executor of a session that ended (its lease lapsed: the client went away)."""
+    def end_session(self, owner: str | None, session: str) -> None:
+        """Ends every executor of an identity's session that ended (closed, or its lease lapsed)."""
         with self._lock:
-            for executor_id in [i for i, e in self._entries.items() if e.session == session]:
+            for executor_id in list(self._by_session.get((owner, session), ())):
                 self._end(executor_id, "ended with its client session (the client went away)")
 
     def get(self, executor_id: str, owner: str | None = None) -> ExecutorEntry:
@@ -115,6 +123,11 @@ class ExecutorStore:
             bound = bind(entry)
             if not entry.repeatable:
                 self._end(executor_id, "was already executed (executors are single-use unless made repeatable)")
+            else:
+                self._unexecuted.pop(executor_id, None)
+                if entry.session is None:
+                    self._sessionless[executor_id] = None
+                    self._sessionless.move_to_end(executor_id)
             entry.executed = True
             entry.last_used = self._clock()
             return entry, bound
@@ -146,6 +159,13 @@ class ExecutorStore:
         self._per_owner[entry.owner] -= 1
         if not self._per_owner[entry.owner]:
             del self._per_owner[entry.owner]
+        self._unexecuted.pop(executor_id, None)
+        self._sessionless.pop(executor_id, None)
+        if entry.session is not None:
+            key = (entry.owner, entry.session)
+            self._by_session[key].discard(executor_id)
+            if not self._by_session[key]:
+                del self._by_session[key]
         if entry.hold is not None:
             entry.hold.release()
         self._ended[executor_id] = why
@@ -154,10 +174,14 @@ class ExecutorStore:
 
     def _expire(self) -> None:
         """Executors never executed expire ttl_s after creation; executed ones without a session
-        (nothing else would end them) ttl_s after their last use."""
+        (nothing else would end them) ttl_s after their last use. Only the expired are looked at."""
         deadline = self._clock() - self.ttl_s
-        for executor_id, entry in list(self._entries.items()):
-            if not entry.executed and entry.created < deadline:
-                self._end(executor_id, f"expired (never executed within {self.ttl_s:g} s)")
-            elif entry.executed and entry.session is None and entry.last_used < deadline:
-                self._end(executor_id, f"expired (unused for {self.ttl_s:g} s, and it belongs to no session)")
+        for queue, when, why in (
+            (self._unexecuted, "created", f"expired (never executed within {self.ttl_s:g} s)"),
+            (self._sessionless, "last_used", f"expired (unused for {self.ttl_s:g} s, and it belongs to no session)"),
+        ):
+            while queue:
+                executor_id = next(iter(queue))
+                if getattr(self._entries[executor_id], when) >= deadline:
+                    break
+                self._end(executor_id, why)

@@ -2,7 +2,9 @@
 
 Messages being received, uploads, results kept for a later download, executor data, call
 outputs and workspaces are all `Hold`s against one budget, and each identity's holds
-against its own share of it, so that no tenant can starve the others. A hold that could
+against its own share of it, so that no tenant can starve the others. A hold on memory that
+others may view (an upload an executor reads, a mapped region, a kept result) follows that
+memory: it ends when the last reference to it does, not when its owner lets go of its name. A hold that could
 never fit is the caller's error (161002 naming the tensor); one that does not fit now is
 `CapacityError` (RESOURCE_EXHAUSTED with a retry hint).
 """
@@ -10,6 +12,8 @@ never fit is the caller's error (161002 naming the tensor); one that does not fi
 from __future__ import annotations
 
 import threading
+import weakref
+from collections.abc import Callable, Mapping
 
 from aclnn_common.errors import Status, invalid_error
 
@@ -26,6 +30,7 @@ STORED = frozenset({"upload", "result", "executor", "region", "buffer"})
 # one per call in flight or connection. A workspace up to SMALL_WORKSPACE_BYTES: only running calls
 # have one, at most --max-concurrency of them.
 SMALL_HOLD_BYTES = 64 << 10
+Parts = Mapping[str, int]  # bytes by kind, held together
 SMALL_WORKSPACE_BYTES = 1 << 20
 
 
@@ -44,6 +49,11 @@ class Hold:
         """Keeps only `nbytes` of the hold (a workspace freed, a message smaller than reserved)."""
         if nbytes < self.nbytes:
             self.ledger._give_back(self, self.nbytes - nbytes)
+
+    def follow(self, memory: object) -> None:
+        """Ends the hold when `memory` (the object owning the bytes: an array, a mapping) is garbage,
+        that is once the last view of it is gone, whoever keeps one (an executor, a reply in transit)."""
+        weakref.finalize(memory, self.release)
 
     def split(self, nbytes: int, kind: str) -> Hold:
         """Moves `nbytes` of this hold into a new one of another kind (a result kept after its call)."""
@@ -78,50 +88,66 @@ class MemoryLedger:
         self._by_kind: dict[str, int] = {}
         self._stored_by_owner: dict[str | None, int] = {}
         self._running_by_owner: dict[str | None, int] = {}
-        # Admission waits on this too: a release may let a queued call run. Only calls waiting for
-        # memory (counted here) are woken by a release; a freed slot wakes the others.
-        self.condition = threading.Condition()
-        self.memory_waiters = 0
+        # Admission's lock too: memory given back may let a queued call run (on_release, the lock held).
+        self.condition = threading.Condition(threading.RLock())
+        self.on_release: Callable[[], None] = lambda: None
 
     def reserve(self, owner: str | None, nbytes: int, kind: str, param: str = "") -> Hold:
         """A hold of `nbytes` now, or CapacityError (retry later), or 161002 (never fits)."""
-        with self.condition:
-            hold = self.try_reserve(owner, nbytes, kind, param)
-            if hold is None:
-                raise self.refusal(owner, nbytes, kind, param)
-            return hold
+        return self.reserve_parts(owner, {kind: nbytes}, param)[kind]
 
     def try_reserve(self, owner: str | None, nbytes: int, kind: str, param: str = "") -> Hold | None:
         """A hold if it fits now, else None; 161002 when it could never fit."""
-        self.check_possible(nbytes, param, kind)
+        holds = self.try_reserve_parts(owner, {kind: nbytes}, param)
+        return None if holds is None else holds[kind]
+
+    def reserve_parts(self, owner: str | None, parts: Parts, param: str = "") -> dict[str, Hold]:
+        """Holds of several kinds taken as one (all or none): now, or CapacityError, or 161002."""
         with self.condition:
-            if self._blocker(owner, nbytes, kind) is not None:
+            holds = self.try_reserve_parts(owner, parts, param)
+            if holds is None:
+                raise self.refusal(owner, parts, param)
+            return holds
+
+    def try_reserve_parts(self, owner: str | None, parts: Parts, param: str = "") -> dict[str, Hold] | None:
+        """Holds of several kinds taken as one, if all fit now; else None; 161002 when they never could."""
+        self.check_possible(parts, param)
+        with self.condition:
+            if self._blocker(owner, parts) is not None:
                 return None
-            hold = Hold(self, owner, 0, kind)
-            self._move(hold, nbytes)
-            return hold
+            holds = {}
+            for kind, nbytes in parts.items():
+                holds[kind] = Hold(self, owner, 0, kind)
+                self._move(holds[kind], nbytes)
+            return holds
 
-    def check_possible(self, nbytes: int, param: str, kind: str = RUNNING) -> None:
-        """161002 naming `param` when `nbytes` exceed what one identity may ever hold (of this kind)."""
-        limit = self._limits(kind)[1]
-        if nbytes > limit:
-            scope = "memory share per tenant" if self.tenant_bytes < self.budget_bytes else "memory budget"
-            scope += " for stored tensors" if kind in STORED else ""
-            raise invalid_error(param or "op", f"cannot hold {nbytes} bytes: more than the server's {scope} ({limit})")
+    def check_possible(self, parts: Parts, param: str) -> None:
+        """161002 naming `param` when `parts` exceed what one identity may ever hold (or hold stored)."""
+        stored = sum(n for kind, n in parts.items() if kind in STORED)
+        for nbytes, kind in ((sum(parts.values()), RUNNING), (stored, next(iter(STORED)))):
+            limit = self._limits(kind)[1]
+            if nbytes > limit:
+                scope = "memory share per tenant" if self.tenant_bytes < self.budget_bytes else "memory budget"
+                scope += " for stored tensors" if kind in STORED else ""
+                message = f"cannot hold {nbytes} bytes: more than the server's {scope} ({limit})"
+                raise invalid_error(param or "op", message)
 
-    def waiting_helps(self, owner: str | None, nbytes: int) -> bool:
-        """Whether running calls, which end by themselves, hold memory that `owner` waits for."""
+    def waiting_helps(self, owner: str | None, parts: Parts) -> bool:
+        """Whether calls in flight (running, or reserved), which end by themselves, hold memory that
+        `owner` waits for: its own when its share is what is full."""
         with self.condition:
-            if self._blocker(owner, nbytes, RUNNING) == "share":
+            if self._blocker(owner, parts) in ("share", "stored share"):
                 return self._running_by_owner.get(owner, 0) > 0
             return bool(self._running_by_owner)
 
-    def refusal(self, owner: str | None, nbytes: int, kind: str, param: str) -> CapacityError:
+    def refusal(self, owner: str | None, parts: Parts, param: str) -> CapacityError:
+        nbytes = sum(parts.values())
+        kind = next((k for k in parts if k in STORED), RUNNING)
         with self.condition:
-            blocker = self._blocker(owner, nbytes, kind) or "budget"
+            blocker = self._blocker(owner, parts) or "budget"
             mine = (self._stored_by_owner if blocker == "stored share" else self._by_owner).get(owner, 0)
             total = self.held if blocker == "budget" else self._stored_total()
-        budget, share = self._limits(kind)
+        budget, share = self._limits(kind if blocker.startswith("stored") else RUNNING)
         whose = {
             "share": f"this caller holds {mine} of its {share}-byte share",
             "stored share": f"this caller's stored tensors hold {mine} of the {share} bytes they may",
@@ -151,17 +177,19 @@ class MemoryLedger:
     def _stored_total(self) -> int:
         return sum(self._by_kind.get(kind, 0) for kind in STORED)
 
-    def _blocker(self, owner: str | None, nbytes: int, kind: str) -> str | None:
-        """What stops a hold of `nbytes` now: "budget", "share", "stored", "stored share", or None."""
+    def _blocker(self, owner: str | None, parts: Parts) -> str | None:
+        """What stops holds of `parts` now: "budget", "share", "stored", "stored share", or None."""
+        nbytes = sum(parts.values())
         if self.held + nbytes > self.budget_bytes:
             return "budget"
         if self._by_owner.get(owner, 0) + nbytes > self.tenant_bytes:
             return "share"
-        if kind in STORED:
-            budget, share = self._limits(kind)
-            if self._stored_total() + nbytes > budget:
+        stored = sum(n for kind, n in parts.items() if kind in STORED)
+        if stored:
+            budget, share = self._limits(next(iter(STORED)))
+            if self._stored_total() + stored > budget:
                 return "stored"
-            if self._stored_by_owner.get(owner, 0) + nbytes > share:
+            if self._stored_by_owner.get(owner, 0) + stored > share:
                 return "stored share"
         return None
 
@@ -186,5 +214,4 @@ class MemoryLedger:
     def _give_back(self, hold: Hold, nbytes: int) -> None:
         with self.condition:
             self._move(hold, -min(nbytes, hold.nbytes))
-            if self.memory_waiters:
-                self.condition.notify_all()
+            self.on_release()

@@ -35,7 +35,7 @@ class LocalClient(BaseClient):
         if self.closed:
             return
         super().close()
-        self.engine.end_session(self._session)
+        self.engine.end_session(None, self._session)
         self.engine.close()
 
     def _output_names(self, op: str) -> frozenset[str]:

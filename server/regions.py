@@ -13,7 +13,11 @@ import fcntl
 import mmap
 import os
 import stat
+import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
+
+import numpy as np
 
 from aclnn_common.errors import invalid_error
 
@@ -21,7 +25,7 @@ from .ledger import Hold
 
 _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
 # Each mapped region keeps a descriptor open (Python's mmap holds a duplicate) and one of the
-# process's memory maps: an identity may keep this many at once.
+# process's memory maps: an identity may keep this many at once (counted until the last view goes).
 MAX_REGIONS_PER_IDENTITY = 256
 
 
@@ -36,44 +40,55 @@ class RegionOffer:
 
 
 class MappedRegion:
-    """A mapped region in a session; its bytes are held in the ledger (the server may fault its pages in)."""
+    """A mapped memfd of a session. Every view handed out is a view of `array`, so the mapping, its
+    bytes in the ledger and the pages the server faulted into the memfd all last exactly as long as
+    the last view (an executor's input, a call in flight), however the region ended: unregistered,
+    or with its session. Then its pages are given back (MADV_REMOVE: the memfd's contents go too,
+    so nothing the server faulted in stays charged to it in a memfd the client keeps), the hold
+    ends, and `gone` runs; the mapping closes with the last reference to it."""
 
-    __slots__ = ("hold", "map")
+    __slots__ = ("array", "inode")
 
-    def __init__(self, region: mmap.mmap, hold: Hold) -> None:
-        self.map, self.hold = region, hold
+    def __init__(self, mapping: mmap.mmap, inode: tuple[int, int], hold: Hold, gone: Callable[[], None]) -> None:
+        self.array, self.inode = np.frombuffer(mapping, np.uint8), inode
+        weakref.finalize(self.array, _released, mapping, hold, gone)
 
     def __len__(self) -> int:
-        return len(self.map)
+        return self.array.nbytes
 
-    def close(self) -> None:
-        self.hold.release()
-        try:
-            self.map.close()
-        except BufferError:
-            pass  # a call still uses it: the mapping goes with the call's last view
+    def slice(self, offset: int, size: int) -> memoryview:
+        return memoryview(self.array[offset : offset + size])
 
 
-def map_region(offer: RegionOffer) -> mmap.mmap:
-    """Maps the offered memfd read-write after checking it; 161002 naming `region` when it is unfit.
-
-    The caller keeps (and closes) the descriptor: the mapping does not need it.
-    """
-    fd = checked_memfd(offer)
+def _released(mapping: mmap.mmap, hold: Hold, gone: Callable[[], None]) -> None:
     try:
-        return mmap.mmap(fd, offer.size)
+        mapping.madvise(mmap.MADV_REMOVE)
+    except OSError:
+        pass  # a memfd that does not let go of its pages (sealed against writes) still holds them
+    hold.release()
+    gone()
+
+
+def map_region(offer: RegionOffer) -> tuple[mmap.mmap, tuple[int, int]]:
+    """Maps the offered memfd read-write after checking it; with its inode (device, number). 161002
+    naming `region` when it is unfit. The caller keeps (and closes) the descriptor."""
+    fd = checked_memfd(offer)
+    info = os.fstat(fd)
+    try:
+        return mmap.mmap(fd, offer.size), (info.st_dev, info.st_ino)
     except (OSError, ValueError) as exc:
         raise invalid_error("region", f"the memfd cannot be mapped read-write: {exc}") from None
 
 
-def checked_memfd(offer: RegionOffer) -> int:
+def checked_memfd(offer: RegionOffer, punchable: bool = False) -> int:
     """The offer's one descriptor, once it is a memfd (on the kernel's internal tmpfs, not hugetlbfs)
     sealed against shrinking and growing that holds the declared size; 161002 naming `region` when not.
 
     F_GET_SEALS comes first: it answers at once for any descriptor (EINVAL for all but memfds and
     tmpfs files), so nothing that could block (a FUSE file's fstat) is ever asked of another kind.
     hugetlbfs memfds are refused: a hole punched in one after it was checked would SIGBUS the
-    server's next access to that page when the huge page pool is empty.
+    server's next access to that page when the huge page pool is empty. `punchable`: refused too
+    when sealed against writes (the server could not give back pages it faulted into it).
     """
     if offer.fd is None or offer.passed != 1:
         raise invalid_error(
@@ -98,12 +113,15 @@ def checked_memfd(offer: RegionOffer) -> int:
         raise invalid_error(
             "region", "the memfd must be sealed against shrinking and growing (F_SEAL_SHRINK | F_SEAL_GROW)"
         )
+    if punchable and seals & (fcntl.F_SEAL_WRITE | _F_SEAL_FUTURE_WRITE):
+        raise invalid_error("region", "the memfd must not be sealed against writes")
     if not 0 < offer.size <= info.st_size:
         raise invalid_error("region", f"a region of {offer.size} bytes was declared; the memfd holds {info.st_size}")
     return fd
 
 
 _TMPFS_MAGIC = 0x01021994
+_F_SEAL_FUTURE_WRITE = 0x0010
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.fstatfs.argtypes = (ctypes.c_int, ctypes.c_void_p)
 

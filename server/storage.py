@@ -1,18 +1,24 @@
-"""Bytes that live on the server between calls: uploaded tensors (handles) and shared-memory regions.
+"""Client sessions, and the bytes that live in them between calls: uploaded tensors (handles) and
+shared-memory regions.
 
-Both belong to a client session (the `x-aclnn-session` metadata, bound to the caller's
-identity). A session's lease is renewed by every call that names it; when it lapses
-(the client went away) its handles are freed, its regions unmapped and its executors
-ended. Handle bytes are held in the memory ledger, against their owner's share.
+A session is the `x-aclnn-session` metadata of an identity's calls: two identities naming the same
+session id have two sessions, neither of which can reach the other. Its lease is renewed by every
+call that names it; when it lapses (the client went away) its handles and regions are dropped and
+`on_session_end(owner, session)` ends whatever else lives in it (executors, device buffers). That
+is the one place a session ends, whichever call or thread notices the lapse. An identity keeps at
+most `max_per_identity` sessions; the bytes of handles and regions are held in the ledger and
+follow their memory: they are given back when the last view goes, not when the name does.
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import mmap
 import secrets
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -23,172 +29,205 @@ from .errors import CapacityError
 from .ledger import Hold, MemoryLedger
 from .regions import MAX_REGIONS_PER_IDENTITY, MappedRegion
 
+# Session ids are the client's: ours are 32 hex digits; anything longer than this is refused.
+MAX_SESSION_ID = 128
+SessionKey = tuple[str | None, str]  # (owner, session id)
+
 
 @dataclass
 class Session:
-    owner: str | None
     expires: float
-    handles: dict[str, tuple[memoryview, Hold]] = field(default_factory=dict)
+    handles: dict[str, memoryview] = field(default_factory=dict)
     regions: dict[str, MappedRegion] = field(default_factory=dict)
 
 
 class Storage:
-    """Sessions with their handles and regions; handle bytes are held in the ledger."""
+    """Sessions with their handles and regions, each identity's capped."""
 
     def __init__(
         self,
         session_ttl_s: float,
         ledger: MemoryLedger,
-        on_session_end: Callable[[str], None] = lambda session_id: None,
+        on_session_end: Callable[[str | None, str], None] = lambda owner, session: None,
         clock: Callable[[], float] = time.monotonic,
+        max_per_identity: int = 256,
     ) -> None:
         self.session_ttl_s = session_ttl_s
         self.ledger = ledger
+        self.max_per_identity = max_per_identity
         self._on_session_end = on_session_end
         self._clock = clock
-        self._sessions: dict[str, Session] = {}
-        self._lock = threading.Lock()
-        self._ended: list[str] = []  # lapsed sessions whose executors and buffers `reap` has yet to end
+        # In expiry order: every touch renews by the same TTL, so the lapsed ones are at the front.
+        self._sessions: collections.OrderedDict[SessionKey, Session] = collections.OrderedDict()
+        self._per_identity: collections.Counter[str | None] = collections.Counter()
+        self._mapped: collections.Counter[str | None] = collections.Counter()  # regions with a view alive
+        self._inodes: set[tuple[int, int]] = set()  # memfds mapped now (each at most once)
+        # Reentrant: a region's last view may be dropped by a thread that holds it (see _unmapped).
+        self._lock = threading.RLock()
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        """The lock, with lapsed sessions ended first; their executors and buffers end after it is released."""
+        with self._lock:
+            ended = []
+            now = self._clock()
+            while self._sessions:
+                key, session = next(iter(self._sessions.items()))
+                if session.expires >= now:
+                    break
+                self._drop(key)
+                ended.append(key)
+            yield
+        for owner, session_id in ended:
+            self._on_session_end(owner, session_id)
 
     def reap(self) -> None:
-        """Frees the handles and unmaps the regions of sessions whose lease lapsed; ends their executors."""
-        with self._lock:
-            self._reap()
-            ended, self._ended = self._ended, []
-        for session_id in ended:
-            self._on_session_end(session_id)
+        """Ends the sessions whose lease lapsed (also when no call arrives to notice)."""
+        with self._locked():
+            pass
 
     def counts(self) -> tuple[int, int]:
         """(live handles, mapped regions) over all sessions."""
+        with self._locked():
+            sessions = self._sessions.values()
+            return sum(len(s.handles) for s in sessions), sum(len(s.regions) for s in sessions)
+
+    def close(self) -> None:
         with self._lock:
-            self._reap()
-            return sum(len(s.handles) for s in self._sessions.values()), sum(
-                len(s.regions) for s in self._sessions.values()
-            )
+            for key in list(self._sessions):
+                self._drop(key)
 
     # Sessions -----------------------------------------------------------------------------
 
     def _session(self, session_id: str | None, owner: str | None) -> Session:
+        """The caller's session, its lease renewed; made if new (within the identity's cap)."""
         if not session_id:
             raise invalid_error("session", "handles and regions need an x-aclnn-session id in the call's metadata")
-        self._reap()
-        session = self._sessions.get(session_id)
+        key = (owner, session_id)
+        session = self._sessions.get(key)
         if session is None:
-            session = self._sessions[session_id] = Session(owner, 0.0)
-        elif session.owner != owner:
-            raise invalid_error("session", "belongs to another client")
+            if len(session_id) > MAX_SESSION_ID:
+                raise invalid_error("session", f"x-aclnn-session ids are at most {MAX_SESSION_ID} characters")
+            if self._per_identity[owner] >= self.max_per_identity:
+                raise CapacityError(
+                    Status.INNER_CREATE_EXECUTOR,
+                    f"this caller has {self.max_per_identity} sessions (--max-tenant-sessions): "
+                    "reuse one, or let idle ones lapse",
+                    "session",
+                )
+            session = self._sessions[key] = Session(0.0)
+            self._per_identity[owner] += 1
+        else:
+            self._sessions.move_to_end(key)
         session.expires = self._clock() + self.session_ttl_s
         return session
 
     def touch(self, session_id: str | None, owner: str | None) -> None:
         """Renews a session's lease (KeepAlive, or any call naming it)."""
         if session_id:
-            with self._lock:
+            with self._locked():
                 self._session(session_id, owner)
 
-    def _reap(self) -> None:
-        now = self._clock()
-        ended = [i for i, s in self._sessions.items() if s.expires < now]
-        for session_id in ended:
-            self._close(self._sessions.pop(session_id))
-        self._ended += ended  # whichever call noticed, the next `reap` ends the rest of them
-
-    def _close(self, session: Session) -> None:
-        for _, hold in session.handles.values():
-            hold.release()
-        session.handles.clear()
-        for region in session.regions.values():
-            _unmap(region)
-        session.regions.clear()
-
-    def close(self) -> None:
-        with self._lock:
-            for session in self._sessions.values():
-                self._close(session)
-            self._sessions.clear()
+    def _drop(self, key: SessionKey) -> None:
+        """Drops a session with the names of its handles and regions (their memory goes with its last view)."""
+        del self._sessions[key]
+        self._per_identity[key[0]] -= 1
+        if not self._per_identity[key[0]]:
+            del self._per_identity[key[0]]
 
     # Handles ------------------------------------------------------------------------------
 
-    def reserve(self, session_id: str | None, owner: str | None, size: int) -> tuple[memoryview, Hold]:
-        """A buffer for an upload of `size` bytes, held in the ledger (the caller releases the hold
-        if the upload fails).
+    def reserve(self, session_id: str | None, owner: str | None, size: int, hold: Hold | None = None) -> memoryview:
+        """A buffer for an upload of `size` bytes, held in the ledger (by `hold`, from a reservation, or a
+        hold taken now) for as long as it is referenced.
 
         Not zeroed: an upload becomes a handle only once it filled every byte (and a large
         NumPy allocation is backed by huge pages, faulting in far faster than a bytearray).
         """
-        with self._lock:
+        with self._locked():
             self._session(session_id, owner)
-        hold = self.ledger.reserve(owner, size, "upload", "chunk")
-        return memoryview(np.empty(size, np.uint8)), hold
+        if hold is None:
+            hold = self.ledger.reserve(owner, size, "upload", "chunk")
+        buffer = np.empty(size, np.uint8)
+        hold.follow(buffer)
+        return memoryview(buffer)
 
-    def add_handle(self, session_id: str | None, owner: str | None, buffer: memoryview, hold: Hold) -> str:
-        """Keeps `buffer` as a handle of the session; `hold` (its bytes in the ledger) goes with it."""
-        with self._lock:
-            session = self._session(session_id, owner)
+    def add_handle(self, session_id: str | None, owner: str | None, buffer: memoryview) -> str:
+        """Keeps `buffer` as a handle of the session (its hold follows the buffer's memory)."""
+        with self._locked():
             handle = secrets.token_hex(16)
-            session.handles[handle] = buffer, hold
+            self._session(session_id, owner).handles[handle] = buffer
             return handle
 
     def handle(self, session_id: str | None, owner: str | None, handle: str) -> memoryview:
-        with self._lock:
-            kept = self._session(session_id, owner).handles.get(handle)
-        if kept is None:
+        with self._locked():
+            buffer = self._session(session_id, owner).handles.get(handle)
+        if buffer is None:
             raise invalid_error("handle", f"tensor handle {handle[:8]}... is unknown or freed")
-        return kept[0]
+        return buffer
 
     def free_handle(self, session_id: str | None, owner: str | None, handle: str) -> None:
-        with self._lock:
-            kept = self._session(session_id, owner).handles.pop(handle, None)
-        if kept is None:
+        with self._locked():
+            buffer = self._session(session_id, owner).handles.pop(handle, None)
+        if buffer is None:
             raise invalid_error("handle", f"tensor handle {handle[:8]}... is unknown or freed")
-        kept[1].release()
 
     # Regions ------------------------------------------------------------------------------
 
-    def register_region(self, session_id: str | None, owner: str | None, region: mmap.mmap) -> str:
+    def register_region(
+        self, session_id: str | None, owner: str | None, mapping: mmap.mmap, inode: tuple[int, int]
+    ) -> str:
         """Keeps a mapped region (regions.map_region) in the session; returns its id there.
 
         Its bytes are held in the ledger against the owner's share (the server may fault its
-        pages in), and an identity keeps at most MAX_REGIONS_PER_IDENTITY at once.
+        pages in) until its last view goes; an identity keeps at most MAX_REGIONS_PER_IDENTITY
+        mapped at once, and a memfd is mapped at most once at a time.
         """
         try:
-            with self._lock:
+            with self._locked():
                 self._session(session_id, owner)
-                count = sum(len(s.regions) for s in self._sessions.values() if s.owner == owner)
-            if count >= MAX_REGIONS_PER_IDENTITY:
-                raise CapacityError(
-                    Status.INNER_CREATE_EXECUTOR,
-                    f"this caller has {count} regions registered: unregister some first",
-                    "region",
-                )
-            hold = self.ledger.reserve(owner, len(region), "region", "region")
+                if self._mapped[owner] >= MAX_REGIONS_PER_IDENTITY:
+                    raise CapacityError(
+                        Status.INNER_CREATE_EXECUTOR,
+                        f"this caller has {self._mapped[owner]} regions mapped: unregister some first",
+                        "region",
+                    )
+                if inode in self._inodes:
+                    raise invalid_error("region", "this memfd is registered already (or a call still uses it)")
+                hold = self.ledger.reserve(owner, len(mapping), "region", "region")
+                self._mapped[owner] += 1
+                self._inodes.add(inode)
         except BaseException:
-            region.close()
+            mapping.close()
             raise
+        region = MappedRegion(mapping, inode, hold, lambda: self._unmapped(owner, inode))
         region_id = secrets.token_hex(16)
-        with self._lock:
-            self._session(session_id, owner).regions[region_id] = MappedRegion(region, hold)
+        with self._locked():
+            self._session(session_id, owner).regions[region_id] = region
         return region_id
 
-    def unregister_region(self, session_id: str | None, owner: str | None, region_id: str) -> None:
+    def _unmapped(self, owner: str | None, inode: tuple[int, int]) -> None:
+        """A region's last view went (in whichever thread dropped it: maybe one holding the lock already)."""
         with self._lock:
+            self._mapped[owner] -= 1
+            if not self._mapped[owner]:
+                del self._mapped[owner]
+            self._inodes.discard(inode)
+
+    def unregister_region(self, session_id: str | None, owner: str | None, region_id: str) -> None:
+        with self._locked():
             region = self._session(session_id, owner).regions.pop(region_id, None)
         if region is None:
             raise invalid_error("region", f"{region_id[:8]!r}... is not registered")
-        _unmap(region)
 
     def region_slice(
         self, session_id: str | None, owner: str | None, region_id: str, offset: int, size: int
     ) -> memoryview:
         """Bytes [offset, offset + size) of a registered region, checked against its bounds."""
-        with self._lock:
+        with self._locked():
             region = self._session(session_id, owner).regions.get(region_id)
         if region is None:
             raise invalid_error("region", f"{region_id[:8]!r}... is not registered")
         if offset + size > len(region):
             raise invalid_error("region", f"[{offset}, {offset + size}) lies outside the region ({len(region)} bytes)")
-        return memoryview(region.map)[offset : offset + size]
-
-
-def _unmap(region: MappedRegion) -> None:
-    region.close()  # the mapping itself goes with the last view of a call still using it
+        return region.slice(offset, size)

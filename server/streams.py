@@ -114,11 +114,11 @@ class StreamQueues:
         if failures:
             raise failures[0]
 
-    def end_session(self, session: Hashable) -> None:
-        """Drops the queued calls of a session that ended (a running one finishes) and its failures."""
+    def end_session(self, owner: str | None, session: Hashable) -> None:
+        """Drops the queued calls of an identity's session that ended (a running one finishes) and its failures."""
         dropped = []
         with self._cond:
-            for key in [k for k in self._streams if k[1] == session]:
+            for key in [k for k in self._streams if k[:2] == (owner, session)]:
                 stream = self._streams.pop(key)
                 dropped += stream.items
                 self._queued[key[0]] -= len(stream.items)

@@ -115,7 +115,7 @@ def test_queue_bound_answers_resource_exhausted_with_retry_hint(serve, rng):
     """One execution slot held, one call queued: the next is refused at once, and the server recovers."""
     address, _, engine = serve(max_concurrency=1, max_queue=1)
     queued = layer_norm_call(rng, (4, 8))
-    with engine.admission.slot(0):  # a long execution holds the only slot
+    with engine.admission.slot({}):  # a long execution holds the only slot
         waiter = concurrent.futures.ThreadPoolExecutor(1).submit(raw_run, address, queued)
         wait_until(lambda: engine.admission.waiting == 1)
         with pytest.raises(grpc.RpcError) as raised:
@@ -137,7 +137,7 @@ def test_queue_bound_answers_resource_exhausted_with_retry_hint(serve, rng):
 def test_client_retries_a_busy_server(serve, rng):
     address, _, engine = serve(max_concurrency=1, max_queue=0)
     p = layer_norm_call(rng, (4, 8))
-    slot = engine.admission.slot(0)
+    slot = engine.admission.slot({})
     slot.__enter__()
     threading.Timer(0.15, slot.__exit__, (None, None, None)).start()
     with Client(address) as c:
@@ -148,7 +148,7 @@ def test_client_retries_a_busy_server(serve, rng):
 def test_expired_deadline_is_not_run(serve, rng):
     address, server, engine = serve(max_concurrency=1)
     p = layer_norm_call(rng, (4, 8))
-    with engine.admission.slot(0):
+    with engine.admission.slot({}):
         with Client(address, timeout=0.2) as hurried, pytest.raises(AclnnError) as info:
             hurried.run(OP, **p)
         assert info.value.grpc_code == grpc.StatusCode.DEADLINE_EXCEEDED

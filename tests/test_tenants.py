@@ -13,6 +13,7 @@ import hashlib
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -23,7 +24,10 @@ import numpy as np
 import pytest
 from layer_norm_cases import layer_norm_call, layer_norm_reference
 from oracle import assert_close
+from test_data_channel import connect, reply, request, ticket
 from test_processes import broadcast_call, free_port, start_server
+from test_shared_memory import memfd, register, unix_connect
+from test_transport import wait_for
 
 from aclnn_client import AclnnError, Client
 from aclnn_common._proto import aclnn_pb2 as pb
@@ -91,7 +95,7 @@ def test_results_kept_and_never_downloaded_stop_at_the_tenants_share(serve, toke
         for handle in handles:
             stub.FreeTensor(pb.TensorHandle(handle=handle), metadata=metadata("alice"))
         stub.Run(op_call(p), metadata=metadata("alice"))
-    assert served.engine.ledger.held_by(owner("alice")) == 0
+    wait_for(lambda: served.engine.ledger.held_by(owner("alice")) == 0)  # once the last reply is sent
 
 
 def test_a_small_kept_result_is_held_though_small_calls_hold_nothing(serve, rng):
@@ -131,7 +135,7 @@ def test_executor_data_and_count_are_bounded_per_tenant(serve, token_file, rng):
         stub.GetWorkspaceSize(op_call(big), metadata=metadata("bob", session="b"))
         for executor in planned:
             stub.DestroyExecutor(pb.ExecutorRef(executor=executor), metadata=metadata("alice"))
-        assert served.engine.ledger.held_by(owner("alice")) == 0
+        wait_for(lambda: served.engine.ledger.held_by(owner("alice")) == 0)
 
 
 def test_a_call_larger_than_a_tenants_share_is_161002_naming_the_tensor(serve, rng):
@@ -140,7 +144,7 @@ def test_a_call_larger_than_a_tenants_share_is_161002_naming_the_tensor(serve, r
     with Client(served.address) as c, pytest.raises(AclnnError) as info:
         c.run(OP, **p)
     assert info.value.code == 161002 and info.value.param in ("gradOut", "input", "gradInputOut")
-    assert served.engine.ledger.held == 0
+    wait_for(lambda: served.engine.ledger.held == 0)
 
 
 def test_stream_waits_count_against_the_queue_and_respect_deadlines(serve):
@@ -163,7 +167,7 @@ def test_stream_waits_count_against_the_queue_and_respect_deadlines(serve):
         assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         assert not running.done(), "the long call should still be running"
         running.result()
-    assert served.engine.admission.waiting == 0 and served.engine.ledger.held == 0
+    wait_for(lambda: served.engine.admission.waiting == 0 and served.engine.ledger.held == 0)
 
 
 def metric(port: int, name: str) -> float:
@@ -323,3 +327,228 @@ def test_default_budget_respects_the_cgroup_limit():
             proc.wait()
     finally:
         os.rmdir(path)
+
+
+# --------------------------------------------------------------------------- issue 25: holds follow buffers
+
+
+def upload(stub, data: bytes, meta: tuple) -> str:
+    return stub.UploadTensor(iter([pb.TensorChunk(total_size=len(data), data=data)]), metadata=meta).handle
+
+
+def test_an_executor_keeps_a_freed_upload_held_until_it_ends(serve, token_file, rng):
+    """Finding 6: uploads planned into executors and then freed stay counted while an executor views them:
+    the tenant runs into its stored share instead of growing the server's memory without bound."""
+    served = serve(auth_token_file=token_file, memory_budget_bytes=64 * MiB, max_tenant_bytes=32 * MiB)
+    p = layer_norm_call(rng, (1024, 1024))  # gradOut: 4 MiB
+    meta = metadata("alice")
+    planned = []
+    with grpc.insecure_channel(served.address) as channel:
+        stub = pb_grpc.AclnnStub(channel)
+        with pytest.raises(grpc.RpcError) as refused:
+            for _ in range(20):
+                handle = upload(stub, p["gradOut"].tobytes(), meta)
+                request = op_call(p, with_data=False)
+                request.params["gradOut"].tensor.ref.handle = handle
+                planned.append(stub.GetWorkspaceSize(request, metadata=meta).executor)
+                stub.FreeTensor(pb.TensorHandle(handle=handle), metadata=meta)  # the executor still views it
+        assert exhausted(refused.value) and len(planned) <= 6  # stored tensors: 3/4 of the 32 MiB share
+        assert served.engine.ledger.held_by(owner("alice")) <= 24 * MiB
+        for executor in planned:
+            stub.DestroyExecutor(pb.ExecutorRef(executor=executor), metadata=meta)
+    wait_for(lambda: served.engine.ledger.held_by(owner("alice")) == 0)
+
+
+def test_a_lapsed_session_ends_its_executors_while_other_traffic_goes_on(serve, rng):
+    """Finding 7: a session that lapses while other calls keep arriving still ends its executors."""
+    served = serve(session_ttl_s=0.5)
+    p = layer_norm_call(rng, (256, 1024))  # 1 MiB per input: held by each executor
+    with grpc.insecure_channel(served.address) as channel:
+        stub = pb_grpc.AclnnStub(channel)
+        for _ in range(4):
+            stub.GetWorkspaceSize(op_call(p), metadata=metadata(session="dying"))
+        assert len(served.engine.executors) == 4 and served.engine.ledger.held >= 4 * MiB
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and (len(served.engine.executors) or served.engine.ledger.held):
+            stub.KeepAlive(pb.Empty(), metadata=metadata(session="alive"))  # each call notices lapsed sessions
+            time.sleep(0.02)
+    assert len(served.engine.executors) == 0 and served.engine.ledger.held == 0
+
+
+def test_sessions_and_tickets_are_capped_per_identity(serve, token_file):
+    """Finding 11: made-up session ids cost the server a bounded amount per identity: ids are short, an
+    identity has at most --max-tenant-sessions of them, and at most 16 live data-channel tickets."""
+    served = serve(auth_token_file=token_file, max_tenant_sessions=8)
+    with grpc.insecure_channel(served.address) as channel:
+        stub = pb_grpc.AclnnStub(channel)
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.KeepAlive(pb.Empty(), metadata=metadata("alice", session="x" * 6000))
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "x-aclnn-session" in refused.value.details()
+        for i in range(8):
+            stub.KeepAlive(pb.Empty(), metadata=metadata("alice", session=f"s{i}"))
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.KeepAlive(pb.Empty(), metadata=metadata("alice", session="one-more"))
+        assert exhausted(refused.value) and "--max-tenant-sessions" in refused.value.details()
+        stub.KeepAlive(pb.Empty(), metadata=metadata("bob", session="one-more"))  # another identity's own
+        tickets = [stub.OpenDataChannel(pb.Empty(), metadata=metadata("alice", session="s0")) for _ in range(40)]
+    with connect(tickets[0]) as first, connect(tickets[-1]) as last:
+        assert reply(first)[0] is False  # forgotten: an identity keeps its 16 latest
+        assert reply(last) == (True, b"")
+
+
+def test_kept_results_count_as_stored_tensors(serve, token_file, rng):
+    """Finding 14: results kept on the server stop at the stored-tensor share (3/4 of the tenant's),
+    like uploads, instead of filling the whole share."""
+    served = serve(auth_token_file=token_file, memory_budget_bytes=64 * MiB, max_tenant_bytes=32 * MiB)
+    p = layer_norm_call(rng, (1024, 1024))  # gradInput: 4 MiB kept per call
+    kept = 0
+    with grpc.insecure_channel(served.address) as channel:
+        stub = pb_grpc.AclnnStub(channel)
+        with pytest.raises(grpc.RpcError) as refused:
+            for _ in range(10):
+                stub.Run(op_call(p, keep=("gradInputOut",)), metadata=metadata("alice"))
+                kept += 1
+    assert exhausted(refused.value) and kept <= 6
+    assert served.engine.ledger.held_by_kind().get("result", 0) <= 24 * MiB
+
+
+def test_replies_in_transit_stay_held_until_sent(serve, rng):
+    """Finding 8: replies nobody reads are held until they are sent (the outputs and their encoding):
+    an identity's unread replies fill its own share, and the server's memory stays within its budget."""
+    served = serve(memory_budget_bytes=256 * MiB, data_handshake_timeout_s=3.0)
+    p = layer_norm_call(rng, (1024, 1024))  # 4 MiB inputs, a 4 MiB gradInput returned inline
+    payload = b"\x03Run" + op_call(p).SerializeToString()
+    offer = ticket(served.address)
+    socks = []
+    try:
+        for _ in range(4):
+            sock = connect(offer)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            assert reply(sock)[0]
+            sock.sendall(request(1, len(payload)) + payload)  # the reply is never read
+            socks.append(sock)
+        # Each reply holds its outputs and their encoded copy (about 8 MiB) until sent.
+        wait_for(lambda: served.engine.ledger.held_by_kind().get("call", 0) >= 4 * 8 * MiB, timeout=10)
+    finally:
+        for sock in socks:
+            sock.close()
+    wait_for(lambda: served.engine.ledger.held == 0, timeout=30)
+
+
+def test_faulted_memfd_pages_do_not_outlive_the_region_or_mailbox(serve, rng):
+    """Finding 13: pages the server faults into a tenant's memfd (results written into a sparse region,
+    a mailbox head read through its mapping) are given back when the region or mailbox goes, though the
+    tenant keeps its descriptor."""
+    served = serve()
+    p = layer_norm_call(rng, (1024, 1024))  # gradInput: 4 MiB, written into the region
+    fd = memfd(8 * MiB)  # sparse: nothing allocated yet
+    offer = ticket(served.address, "s")
+    with unix_connect(offer) as sock:
+        ok, region_id = register(sock, [fd], 8 * MiB)
+        assert ok
+        request_message = op_call(p)
+        request_message.placements["gradInputOut"].region.CopyFrom(
+            pb.RegionSlice(region=region_id.decode(), offset=0, size=4 * MiB)
+        )
+        with grpc.insecure_channel(served.address) as channel:
+            pb_grpc.AclnnStub(channel).Run(request_message, metadata=(("x-aclnn-session", "s"),))
+        assert os.fstat(fd).st_blocks * 512 >= 4 * MiB  # faulted in by the server
+        sock.sendall(request(5, len(region_id)) + region_id)  # UNREGISTER_REGION
+        assert reply(sock) == (True, b"")
+    wait_for(lambda: os.fstat(fd).st_blocks == 0)
+    os.close(fd)
+    mailbox = memfd(1 * MiB)
+    with unix_connect(offer) as sock:
+        assert register(sock, [mailbox], 1 * MiB, 6)[0]  # MAILBOX
+        sock.sendall(request(1 | 0x80, 64 << 10))  # a call in the (all holes) mailbox head
+        assert reply(sock)[0] is False
+        assert os.fstat(mailbox).st_blocks * 512 >= 64 << 10
+    wait_for(lambda: os.fstat(mailbox).st_blocks == 0)
+    os.close(mailbox)
+
+
+def test_admission_takes_identities_in_turn(serve, token_file):
+    """Finding 9: with one slot and one tenant's 24 callers queued, another tenant's calls each wait for
+    at most a couple of the first tenant's, not for its whole queue."""
+    served = serve(auth_token_file=token_file, max_concurrency=1, max_queue=64)
+    busy = op_call(broadcast_call(0, rows=8192))  # a few ms of compute each
+    small = op_call(broadcast_call(1, rows=8))
+    done: list[float] = []
+    stop = time.monotonic() + 60
+
+    def alice() -> None:
+        with grpc.insecure_channel(served.address) as channel:
+            stub = pb_grpc.AclnnStub(channel)
+            while time.monotonic() < stop and len(done) < 100_000:
+                stub.Run(busy, metadata=metadata("alice"), timeout=60)
+                done.append(time.monotonic())
+
+    passed = []
+    with concurrent.futures.ThreadPoolExecutor(24) as pool:
+        callers = [pool.submit(alice) for _ in range(24)]
+        wait_for(lambda: served.engine.admission.waiting >= 20, timeout=30)
+        with grpc.insecure_channel(served.address) as channel:
+            stub = pb_grpc.AclnnStub(channel)
+            for _ in range(10):
+                started = time.monotonic()
+                stub.Run(small, metadata=metadata("bob", session="b"), timeout=60)
+                finished = time.monotonic()
+                passed.append(sum(started < t < finished for t in done))
+        stop = 0
+        for caller in callers:
+            caller.result()
+    assert sorted(passed)[len(passed) // 2] <= 2, passed  # the median bob call waited for at most 2 of alice's
+
+
+# --------------------------------------------------------------------------- issue 25: whole-call admission
+
+
+@pytest.mark.parametrize("data_channel", [True, False], ids=["data-channel", "grpc"])
+def test_a_call_that_can_never_fit_is_161002_before_any_upload(serve, rng, data_channel):
+    """Finding 15: a call whose tensors fit one by one but not together in its identity's share is
+    161002 at once, naming its largest tensor, before any of its bytes are uploaded (it used to be
+    "busy, retry" from its second upload on, again and again)."""
+    served = serve(memory_budget_bytes=64 * MiB)  # a share of 32 MiB
+    p = layer_norm_call(rng, (2048, 2048))  # gradOut, input, gradInput: 16 MiB each
+    started = time.monotonic()
+    with Client(served.address, data_channel=data_channel) as c, pytest.raises(AclnnError) as raised:
+        c.run(OP, **p)
+    assert (raised.value.code, raised.value.param) == (161002, "gradOut"), raised.value
+    assert time.monotonic() - started < 5.0
+    uploads = served.server.metrics.requests.labels("UploadTensor", "", "ACLNN_SUCCESS")._value.get()
+    assert uploads == 0
+    wait_for(lambda: served.engine.ledger.held == 0)
+
+
+def _throughput(address: str, p: dict, clients: int, seconds: float) -> tuple[int, collections.Counter]:
+    """Calls completed by `clients` clients of one identity in `seconds`, and every outcome."""
+    outcomes: collections.Counter = collections.Counter()
+    stop_at = time.monotonic() + seconds
+
+    def worker() -> None:
+        with Client(address, timeout=60) as c:
+            out = np.empty_like(p["gradInputOut"])
+            while time.monotonic() < stop_at:
+                try:
+                    c.run(OP, **{**p, "gradInputOut": out})
+                    outcomes["ok"] += 1
+                except AclnnError as error:
+                    outcomes[error.grpc_code.name] += 1
+
+    with concurrent.futures.ThreadPoolExecutor(clients) as pool:
+        for future in [pool.submit(worker) for _ in range(clients)]:
+            future.result()
+    return outcomes["ok"], outcomes
+
+
+@pytest.mark.slow  # about 8 s: one client alone, then eight together, on a server whose share holds two calls
+def test_clients_of_one_identity_do_not_livelock_each_other(serve, rng):
+    """Finding 16: eight clients of one identity, each call uploading two inputs and keeping its output,
+    on a share that holds two such calls: every call's memory is reserved as one unit before its first
+    upload, so none holds what another needs; calls complete, none is refused."""
+    served = serve(memory_budget_bytes=128 * MiB)  # a share of 64 MiB: 48 of them for stored tensors
+    p = layer_norm_call(rng, (1024, 2048))  # 8 MiB per tensor: 16 MiB uploaded, 8 MiB kept per call
+    alone, _ = _throughput(served.address, p, 1, 2.0)
+    together, outcomes = _throughput(served.address, p, 8, 4.0)
+    print(f"one client: {alone / 2.0:.1f} calls/s; eight of one identity: {together / 4.0:.1f} calls/s; {outcomes}")
+    assert set(outcomes) == {"ok"} and together >= 8, outcomes

@@ -79,7 +79,7 @@ def test_bad_uploads_are_refused_and_store_nothing(serve, chunks, message):
     with pytest.raises(grpc.RpcError) as raised:
         upload(address, chunks)
     assert message in raised.value.details()
-    assert server.storage.counts() == (0, 0) and server.engine.ledger.held == 0
+    wait_for(lambda: server.storage.counts() == (0, 0) and server.engine.ledger.held == 0)
     handle = upload(address, [pb.TensorChunk(total_size=3, data=b"abc")])  # still serving
     assert handle.size == 3
 
@@ -104,7 +104,7 @@ def test_sessions_lapse_and_free_their_tensors(serve):
     upload(address, [pb.TensorChunk(total_size=5, data=b"hello")], session="gone")
     assert server.storage.counts() == (1, 0)
     wait_for(lambda: server.storage.counts() == (0, 0))
-    assert server.engine.ledger.held == 0
+    wait_for(lambda: server.engine.ledger.held == 0)
 
 
 def test_shared_memory_moves_no_tensor_bytes_through_messages(serve, rng):

@@ -94,7 +94,7 @@ class Value(_message.Message):
     def __init__(self, tensor: _Optional[_Union[Tensor, _Mapping]] = ..., int_array: _Optional[_Union[IntArray, _Mapping]] = ..., bool_array: _Optional[_Union[BoolArray, _Mapping]] = ..., bool_value: _Optional[bool] = ..., int_value: _Optional[int] = ..., double_value: _Optional[float] = ..., string_value: _Optional[str] = ...) -> None: ...
 
 class OpCall(_message.Message):
-    __slots__ = ("op", "params", "placements")
+    __slots__ = ("op", "params", "placements", "reservation")
     class ParamsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -112,10 +112,12 @@ class OpCall(_message.Message):
     OP_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     PLACEMENTS_FIELD_NUMBER: _ClassVar[int]
+    RESERVATION_FIELD_NUMBER: _ClassVar[int]
     op: str
     params: _containers.MessageMap[str, Value]
     placements: _containers.MessageMap[str, OutputPlacement]
-    def __init__(self, op: _Optional[str] = ..., params: _Optional[_Mapping[str, Value]] = ..., placements: _Optional[_Mapping[str, OutputPlacement]] = ...) -> None: ...
+    reservation: str
+    def __init__(self, op: _Optional[str] = ..., params: _Optional[_Mapping[str, Value]] = ..., placements: _Optional[_Mapping[str, OutputPlacement]] = ..., reservation: _Optional[str] = ...) -> None: ...
 
 class WorkspacePlan(_message.Message):
     __slots__ = ("workspace_size", "executor")
@@ -126,7 +128,7 @@ class WorkspacePlan(_message.Message):
     def __init__(self, workspace_size: _Optional[int] = ..., executor: _Optional[str] = ...) -> None: ...
 
 class ExecuteRequest(_message.Message):
-    __slots__ = ("executor", "inputs", "input_refs", "placements")
+    __slots__ = ("executor", "inputs", "input_refs", "placements", "reservation")
     class InputsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -152,11 +154,31 @@ class ExecuteRequest(_message.Message):
     INPUTS_FIELD_NUMBER: _ClassVar[int]
     INPUT_REFS_FIELD_NUMBER: _ClassVar[int]
     PLACEMENTS_FIELD_NUMBER: _ClassVar[int]
+    RESERVATION_FIELD_NUMBER: _ClassVar[int]
     executor: str
     inputs: _containers.ScalarMap[str, bytes]
     input_refs: _containers.MessageMap[str, StorageRef]
     placements: _containers.MessageMap[str, OutputPlacement]
-    def __init__(self, executor: _Optional[str] = ..., inputs: _Optional[_Mapping[str, bytes]] = ..., input_refs: _Optional[_Mapping[str, StorageRef]] = ..., placements: _Optional[_Mapping[str, OutputPlacement]] = ...) -> None: ...
+    reservation: str
+    def __init__(self, executor: _Optional[str] = ..., inputs: _Optional[_Mapping[str, bytes]] = ..., input_refs: _Optional[_Mapping[str, StorageRef]] = ..., placements: _Optional[_Mapping[str, OutputPlacement]] = ..., reservation: _Optional[str] = ...) -> None: ...
+
+class CallReservation(_message.Message):
+    __slots__ = ("run", "execute", "uploads")
+    RUN_FIELD_NUMBER: _ClassVar[int]
+    EXECUTE_FIELD_NUMBER: _ClassVar[int]
+    UPLOADS_FIELD_NUMBER: _ClassVar[int]
+    run: OpCall
+    execute: ExecuteRequest
+    uploads: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, run: _Optional[_Union[OpCall, _Mapping]] = ..., execute: _Optional[_Union[ExecuteRequest, _Mapping]] = ..., uploads: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class Reservation(_message.Message):
+    __slots__ = ("reservation", "bytes")
+    RESERVATION_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    reservation: str
+    bytes: int
+    def __init__(self, reservation: _Optional[str] = ..., bytes: _Optional[int] = ...) -> None: ...
 
 class OutputTensor(_message.Message):
     __slots__ = ("data_type", "dims", "data", "handle")

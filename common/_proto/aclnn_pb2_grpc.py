@@ -85,6 +85,16 @@ class AclnnStub:
                 request_serializer=aclnn_dot_v1_dot_aclnn__pb2.Empty.SerializeToString,
                 response_deserializer=aclnn_dot_v1_dot_aclnn__pb2.Empty.FromString,
                 _registered_method=True)
+        self.ReserveCall = channel.unary_unary(
+                '/aclnn.v1.Aclnn/ReserveCall',
+                request_serializer=aclnn_dot_v1_dot_aclnn__pb2.CallReservation.SerializeToString,
+                response_deserializer=aclnn_dot_v1_dot_aclnn__pb2.Reservation.FromString,
+                _registered_method=True)
+        self.ReleaseReservation = channel.unary_unary(
+                '/aclnn.v1.Aclnn/ReleaseReservation',
+                request_serializer=aclnn_dot_v1_dot_aclnn__pb2.Reservation.SerializeToString,
+                response_deserializer=aclnn_dot_v1_dot_aclnn__pb2.Empty.FromString,
+                _registered_method=True)
         self.OpenDataChannel = channel.unary_unary(
                 '/aclnn.v1.Aclnn/OpenDataChannel',
                 request_serializer=aclnn_dot_v1_dot_aclnn__pb2.Empty.SerializeToString,
@@ -198,6 +208,19 @@ class AclnnServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReserveCall(self, request, context):
+        """Waits its turn for the call's memory (or 161002 at once when it could never fit), then holds it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReleaseReservation(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def OpenDataChannel(self, request, context):
         """A ticket for data-channel connections (fast bulk bytes and unary calls; on this host,
         shared-memory regions, which are registered over the Unix socket only, never by name).
@@ -304,6 +327,16 @@ def add_AclnnServicer_to_server(servicer, server):
             'KeepAlive': grpc.unary_unary_rpc_method_handler(
                     servicer.KeepAlive,
                     request_deserializer=aclnn_dot_v1_dot_aclnn__pb2.Empty.FromString,
+                    response_serializer=aclnn_dot_v1_dot_aclnn__pb2.Empty.SerializeToString,
+            ),
+            'ReserveCall': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReserveCall,
+                    request_deserializer=aclnn_dot_v1_dot_aclnn__pb2.CallReservation.FromString,
+                    response_serializer=aclnn_dot_v1_dot_aclnn__pb2.Reservation.SerializeToString,
+            ),
+            'ReleaseReservation': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleaseReservation,
+                    request_deserializer=aclnn_dot_v1_dot_aclnn__pb2.Reservation.FromString,
                     response_serializer=aclnn_dot_v1_dot_aclnn__pb2.Empty.SerializeToString,
             ),
             'OpenDataChannel': grpc.unary_unary_rpc_method_handler(
@@ -616,6 +649,60 @@ class Aclnn:
             target,
             '/aclnn.v1.Aclnn/KeepAlive',
             aclnn_dot_v1_dot_aclnn__pb2.Empty.SerializeToString,
+            aclnn_dot_v1_dot_aclnn__pb2.Empty.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReserveCall(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/aclnn.v1.Aclnn/ReserveCall',
+            aclnn_dot_v1_dot_aclnn__pb2.CallReservation.SerializeToString,
+            aclnn_dot_v1_dot_aclnn__pb2.Reservation.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReleaseReservation(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/aclnn.v1.Aclnn/ReleaseReservation',
+            aclnn_dot_v1_dot_aclnn__pb2.Reservation.SerializeToString,
             aclnn_dot_v1_dot_aclnn__pb2.Empty.FromString,
             options,
             channel_credentials,

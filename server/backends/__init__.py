@@ -17,7 +17,7 @@ class Backend(Protocol):
     `device_memory()` (its DeviceMemory for device buffers, server/buffers.py);
     `compute_resident(operator, plan, {name: (block, byte offset)}, stream)` (a call whose tensors
     all live in its device memory, computed there); `synchronize(stream)` (waits for what it
-    launched without waiting); `end_session(session)`; and `accepts_stream` (compute takes
+    launched without waiting); `end_session(owner, session)`; and `accepts_stream` (compute takes
     `stream=`). `stream` is the client stream's key (identity, session, stream id), or None for
     a call without one; synchronize's id is None for every stream of the session."""
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import socket
 import ssl
@@ -23,6 +24,7 @@ from aclnn_common.errors import invalid_error
 
 from ..config import ServerOptions, options_at_fault
 from ..engine import CallContext, Engine, default_memory_budget
+from ..ledger import SMALL_HOLD_BYTES
 from ..metrics import Metrics
 from ..params import check
 from ..storage import Storage
@@ -30,7 +32,8 @@ from .auth import Identities, TokenAuthInterceptor, read_tokens
 from .data_channel import DataChannelServer
 from .data_channel import Limits as DataChannelLimits
 from .limits import CallLimit
-from .service import AclnnService, failure_status, new_request_id
+from .progress import Progress, Transfer
+from .service import AclnnService, failure_status, new_request_id, release
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Aclnn"].full_name
 
@@ -57,8 +60,8 @@ def stream_id(text: str | None) -> int | None:
 class _ChunkUpload:
     """An UploadTensor stream: chunks in order and without gaps, adding up to the announced size."""
 
-    def __init__(self, chunks: Iterator[pb.TensorChunk]) -> None:
-        self.chunks = chunks
+    def __init__(self, chunks: Iterator[pb.TensorChunk], reservation: str) -> None:
+        self.chunks, self.reservation = chunks, reservation
         self.first: pb.TensorChunk | None = None
 
     @property
@@ -80,6 +83,32 @@ class _ChunkUpload:
             buffer[received : received + len(data)] = data
             received += len(data)
         check(received == total, "chunk", f"upload truncated: {received} of {total} bytes arrived")
+
+
+def _paced(messages: Iterator[Any], transfer: Transfer, param: str) -> Iterator[Any]:
+    """A request stream's messages, their bytes counted for the progress watchdog; a stream it (or the
+    client) cancelled is 161002 naming `param`."""
+    while True:
+        try:
+            message = next(messages, None)
+        except grpc.RpcError:
+            why = "its bytes came too slowly" if transfer.overdue else "it was cancelled"
+            raise invalid_error(param, f"truncated: {why}") from None
+        if message is None:
+            return
+        transfer.moved(len(message.data))
+        yield message
+
+
+def _watched_chunks(buffer: memoryview, progress: Progress, context: grpc.ServicerContext) -> Iterator[pb.TensorChunk]:
+    """A download's chunks, the client reading them at least as fast as the progress watchdog asks."""
+    transfer = progress.watch(context)
+    try:
+        for chunk in to_chunks(buffer):
+            yield chunk
+            transfer.moved(len(chunk.data))
+    finally:
+        progress.done(transfer)
 
 
 class _ChunkWrite:
@@ -121,8 +150,8 @@ class _ChunkWrite:
 class AclnnServicer(pb_grpc.AclnnServicer):
     """Each RPC: its CallContext from the gRPC context, then AclnnService; failures abort with their status."""
 
-    def __init__(self, service: AclnnService, identities: Identities) -> None:
-        self.service, self.identities = service, identities
+    def __init__(self, service: AclnnService, identities: Identities, progress: Progress) -> None:
+        self.service, self.identities, self.progress = service, identities, progress
 
     def _serve(self, name: str, request: Any, context: grpc.ServicerContext) -> Any:
         metadata = dict(context.invocation_metadata())
@@ -137,10 +166,22 @@ class AclnnServicer(pb_grpc.AclnnServicer):
         )
         try:
             call.stream = stream_id(metadata.get("x-aclnn-stream"))
-            return self.service.invoke(name, request, call, request_id)
+            reply = self.service.invoke(name, request, call, request_id)
+            # What the call holds (its outputs) is held until the reply is sent: until the RPC ends; a
+            # large reply must be read at the watchdog's pace.
+            size = reply.ByteSize() if call.holds and hasattr(reply, "ByteSize") else 0
+            transfer = self.progress.watch(context, size) if size > SMALL_HOLD_BYTES else None
+            if not context.add_callback(functools.partial(self._sent, call, transfer)):
+                self._sent(call, transfer)
+            return reply
         except Exception as exc:
             status = rpc_status.to_status(failure_status(exc)[0])
             context.abort_with_status(with_request_id(status, request_id))
+
+    def _sent(self, call: CallContext, transfer: Transfer | None) -> None:
+        release(call)
+        if transfer is not None:
+            self.progress.done(transfer)
 
     def GetWorkspaceSize(self, request: pb.OpCall, context: grpc.ServicerContext) -> pb.WorkspacePlan:
         return self._serve("GetWorkspaceSize", request, context)
@@ -163,10 +204,16 @@ class AclnnServicer(pb_grpc.AclnnServicer):
     def UploadTensor(
         self, request_iterator: Iterator[pb.TensorChunk], context: grpc.ServicerContext
     ) -> pb.TensorHandle:
-        return self._serve("UploadTensor", _ChunkUpload(request_iterator), context)
+        reservation = dict(context.invocation_metadata()).get("x-aclnn-reservation", "")
+        transfer = self.progress.watch(context)
+        try:
+            chunks = _paced(request_iterator, transfer, "chunk")
+            return self._serve("UploadTensor", _ChunkUpload(chunks, reservation), context)
+        finally:
+            self.progress.done(transfer)
 
     def DownloadTensor(self, request: pb.TensorHandle, context: grpc.ServicerContext) -> Iterator[pb.TensorChunk]:
-        return to_chunks(self._serve("DownloadTensor", request, context))
+        return _watched_chunks(self._serve("DownloadTensor", request, context), self.progress, context)
 
     def FreeTensor(self, request: pb.TensorHandle, context: grpc.ServicerContext) -> pb.Empty:
         return self._serve("FreeTensor", request, context)
@@ -184,10 +231,14 @@ class AclnnServicer(pb_grpc.AclnnServicer):
         return self._serve("FreeBuffer", request, context)
 
     def WriteBuffer(self, request_iterator: Iterator[pb.BufferWrite], context: grpc.ServicerContext) -> pb.Empty:
-        return self._serve("WriteBuffer", _ChunkWrite(request_iterator), context)
+        transfer = self.progress.watch(context)
+        try:
+            return self._serve("WriteBuffer", _ChunkWrite(_paced(request_iterator, transfer, "data")), context)
+        finally:
+            self.progress.done(transfer)
 
     def ReadBuffer(self, request: pb.BufferRange, context: grpc.ServicerContext) -> Iterator[pb.TensorChunk]:
-        return to_chunks(self._serve("ReadBuffer", request, context))
+        return _watched_chunks(self._serve("ReadBuffer", request, context), self.progress, context)
 
     def CopyBuffer(self, request: pb.BufferCopy, context: grpc.ServicerContext) -> pb.Empty:
         return self._serve("CopyBuffer", request, context)
@@ -197,6 +248,12 @@ class AclnnServicer(pb_grpc.AclnnServicer):
 
     def Synchronize(self, request: pb.Empty, context: grpc.ServicerContext) -> pb.Empty:
         return self._serve("Synchronize", request, context)
+
+    def ReserveCall(self, request: pb.CallReservation, context: grpc.ServicerContext) -> pb.Reservation:
+        return self._serve("ReserveCall", request, context)
+
+    def ReleaseReservation(self, request: pb.Reservation, context: grpc.ServicerContext) -> pb.Empty:
+        return self._serve("ReleaseReservation", request, context)
 
 
 def bind_address(host: str, port: int) -> str:
@@ -233,7 +290,12 @@ class AclnnServer:
     def __init__(self, options: ServerOptions, engine: Engine) -> None:
         self.options, self.engine = options, engine
         self.metrics = Metrics(lambda: len(engine.executors))
-        self.storage = Storage(options.session_ttl_s, engine.ledger, engine.end_session)
+        self.storage = Storage(
+            options.session_ttl_s,
+            engine.ledger,
+            engine.end_session,
+            max_per_identity=options.max_tenant_sessions,
+        )
         self.metrics.track_memory(lambda: engine.ledger.held, engine.ledger.held_by_kind, engine.ledger.budget_bytes)
         self.metrics.track_buffers(lambda: len(engine.buffers))
         self.health = health.HealthServicer(experimental_non_blocking=True)
@@ -242,6 +304,7 @@ class AclnnServer:
         workers = options.max_concurrency + options.max_queue + 4
         self._health_pool = futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="aclnn-health")
         self.identities = Identities(tokens=options.auth_token_file is not None, host=options.host)
+        self.progress = Progress(options.data_handshake_timeout_s)
         per_identity = options.max_tenant_calls or max(1, workers // 2)
         self.call_limit = CallLimit(
             workers, self._health_pool, self.identities.of, self.metrics.refused.inc, per_identity
@@ -269,7 +332,7 @@ class AclnnServer:
             ],
         )
         self.service = AclnnService(engine, self.metrics, self.storage)
-        pb_grpc.add_AclnnServicer_to_server(AclnnServicer(self.service, self.identities), self.grpc)
+        pb_grpc.add_AclnnServicer_to_server(AclnnServicer(self.service, self.identities, self.progress), self.grpc)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
@@ -341,8 +404,9 @@ class AclnnServer:
 
     def _reap(self) -> None:
         """Frees lapsed sessions' handles and regions even when no call arrives to notice."""
-        while not self._stopping.wait(self.options.session_ttl_s / 2):
+        while not self._stopping.wait(min(self.options.session_ttl_s / 2, 5.0)):
             self.storage.reap()
+            self.engine.reservations.reap()
 
     def stop(self, grace: float | None) -> threading.Event:
         """Reports NOT_SERVING, refuses new calls, lets in-flight ones finish within `grace` seconds.
@@ -360,6 +424,7 @@ class AclnnServer:
             grpc_stopped.wait()
             self._health_pool.shutdown(wait=False)
             self._refusal_pool.shutdown(wait=False)
+            self.progress.stop()
             self.metrics.close()
             self.storage.close()
             self.engine.close(backend_too=True)
@@ -386,6 +451,7 @@ def create_server(options: ServerOptions, engine: Engine | None = None) -> tuple
         max_result_bytes=options.max_message_bytes,
         max_concurrency=options.max_concurrency,
         max_queue=options.max_queue,
+        max_tenant_queue=options.max_tenant_queue,
         device=options.device,
         torch_device=options.torch_device,
         load_in_background=True,

@@ -13,6 +13,7 @@ import logging
 import re
 import secrets
 import time
+import traceback
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
@@ -28,7 +29,7 @@ from ..buffers import ResidentStorage
 from ..descriptors import MAX_COUNT
 from ..engine import BackendStarting, CallContext, Engine
 from ..errors import CapacityError
-from ..ledger import SMALL_HOLD_BYTES, Hold
+from ..ledger import SMALL_HOLD_BYTES
 from ..metrics import Metrics
 from ..params import check
 from ..regions import RegionOffer, map_region
@@ -61,11 +62,12 @@ _GRPC_CODES = {
 _RETRY_AFTER = duration_pb2.Duration(nanos=100_000_000)
 
 
-def placed(placements: Mapping[str, pb.OutputPlacement]) -> frozenset[str]:
-    """Outputs delivered outside the reply: a placement counts only with a kind (a region, or kept on the server)."""
-    if not placements:
-        return frozenset()
-    return frozenset(name for name, p in placements.items() if p.WhichOneof("kind") == "region" or p.keep_on_server)
+def placed(placements: Mapping[str, pb.OutputPlacement], call: CallContext) -> None:
+    """Sets the outputs delivered outside the reply (a placement counts only with a kind: a region,
+    or kept on the server), and which of them are kept."""
+    if placements:
+        call.kept = frozenset(name for name, p in placements.items() if p.keep_on_server)
+        call.placed = call.kept | {name for name, p in placements.items() if p.WhichOneof("kind") == "region"}
 
 
 def loggable(text: str) -> str:
@@ -120,14 +122,16 @@ class Upload(Protocol):
     """An upload's bytes as a transport delivers them."""
 
     total_size: int
+    reservation: str  # the call reservation whose memory it takes (ReserveCall), or ""
 
     def read_into(self, buffer: memoryview) -> None:
         """Fills all of `buffer` or raises (161002 on `chunk`) when the bytes are truncated or out of order."""
 
 
-def _take(holds: list[Hold], nbytes: int) -> Hold:
-    """`nbytes` split off the call's output hold (the engine's last), as a kept result's hold."""
-    return holds[-1].split(nbytes, "result")
+def release(call: CallContext) -> None:
+    """Gives back what a call held until its reply was sent (or it failed): its request and outputs."""
+    for hold in call.holds or ():
+        hold.release()
 
 
 def _message_size(message: Any, streamed: int) -> int:
@@ -147,7 +151,11 @@ class AclnnService:
         self.issue_ticket: Callable[[CallContext], pb.DataChannelTicket] | None = None
 
     def invoke(self, name: str, request: Any, call: CallContext, request_id: str) -> Any:
-        """Runs method `name`, recording its metrics and access-log line; failures propagate."""
+        """Runs method `name`, recording its metrics and access-log line; failures propagate.
+
+        The memory the call holds (its request, its outputs) stays held until the transport has sent
+        the reply and calls `release(call)`; a failed call's is given back here.
+        """
         started, status, reply = time.perf_counter(), "ACLNN_SUCCESS", None
         self.metrics.in_flight.inc()
         request_size = _message_size(request, call.bytes_in)
@@ -164,10 +172,12 @@ class AclnnService:
             status = failure_status(exc)[1]
             if not isinstance(exc, AclnnError | CallAbandoned):
                 log.exception("request_id=%s method=%s failed", loggable(request_id), name)
+            # What the failed call's frames viewed (an upload's buffer, outputs) goes now with its holds,
+            # not when the traceback is collected.
+            traceback.clear_frames(exc.__traceback__)
+            release(call)
             raise
         finally:
-            for hold in call.holds or ():
-                hold.release()
             self.metrics.in_flight.dec()
             total = time.perf_counter() - started
             phases = {"queue": call.queue_s, "validation": call.validation_s, "compute": call.compute_s}
@@ -199,17 +209,42 @@ class AclnnService:
         return pb.WorkspacePlan(workspace_size=size, executor=executor)
 
     def Execute(self, request: pb.ExecuteRequest, call: CallContext) -> pb.ExecuteResponse:
+        self._take_reservation(request.reservation, call)
         inputs: dict[str, Any] = dict(request.inputs)
         inputs.update({name: self._stored(ref, call) for name, ref in request.input_refs.items()})
-        call.placed = placed(request.placements)
+        placed(request.placements, call)
         outputs = self.engine.execute(request.executor, inputs, call)
         return pb.ExecuteResponse(outputs=self._place(outputs, request.placements, call))
 
     def Run(self, request: pb.OpCall, call: CallContext) -> pb.RunResponse:
+        self._take_reservation(request.reservation, call)
         values = decode_params(request.params, lambda ref: self._stored(ref, call))
-        call.placed = placed(request.placements)
+        placed(request.placements, call)
         size, outputs = self.engine.run(request.op, values, call)
         return pb.RunResponse(workspace_size=size, outputs=self._place(outputs, request.placements, call))
+
+    def ReserveCall(self, request: pb.CallReservation, call: CallContext) -> pb.Reservation:
+        """Holds a Run's or an Execute's memory as one unit, before its bytes are sent (reservations.py)."""
+        if request.HasField("run"):
+            placed(request.run.placements, call)
+            values = decode_params(request.run.params, lambda ref: None)  # descriptors are enough to plan
+            holds, sizes = self.engine.reserve(call, request.uploads, request.run.op, values)
+        else:
+            placed(request.execute.placements, call)
+            call.executor = request.execute.executor
+            holds, sizes = self.engine.reserve(call, request.uploads)
+        reservation = self.engine.reservations.add(call.owner, call.session, holds, sizes)
+        return pb.Reservation(reservation=reservation, bytes=sum(hold.nbytes for hold in holds.values()))
+
+    def ReleaseReservation(self, request: pb.Reservation, call: CallContext) -> pb.Empty:
+        self.engine.reservations.release(call.owner, call.session, request.reservation)
+        return pb.Empty()
+
+    def _take_reservation(self, reservation: str, call: CallContext) -> None:
+        """The call runs on its reservation's memory (an unknown one: it waits its turn like any other)."""
+        if reservation:
+            call.reserved = self.engine.reservations.take(call.owner, call.session, reservation)
+            call.holds = (call.holds or []) + list((call.reserved or {}).values())  # given back with the call's
 
     def SetExecutorRepeatable(self, request: pb.ExecutorRef, call: CallContext) -> pb.Empty:
         self.engine.set_executor_repeatable(request.executor, call)
@@ -270,9 +305,10 @@ class AclnnService:
             if name in targets:
                 np.frombuffer(targets[name], np.uint8)[:] = flat
                 encoded[name] = output_tensor(array, inline=False)
-            elif name in placements and placements[name].keep_on_server:
-                hold = _take(call.holds, flat.nbytes)  # the call's output bytes, held on as the handle's
-                handle = self.storage.add_handle(call.session, call.owner, memoryview(flat), hold)
+            elif name in call.kept:
+                # Reserved with the call as a stored tensor; held now for as long as the array lives.
+                call.results.split(flat.nbytes, "result").follow(array)
+                handle = self.storage.add_handle(call.session, call.owner, memoryview(flat))
                 encoded[name] = output_tensor(array, inline=False, handle=handle)
             else:
                 encoded[name] = output_tensor(array)
@@ -284,13 +320,12 @@ class AclnnService:
         """Stores an upload as a handle once all its bytes arrived; a failed one stores nothing."""
         total = upload.total_size
         check(0 <= total <= MAX_COUNT, "chunk", f"total_size {total} is too large")
-        buffer, hold = self.storage.reserve(call.session, call.owner, total)
-        try:
-            upload.read_into(buffer)
-            handle = self.storage.add_handle(call.session, call.owner, buffer, hold)
-        except BaseException:
-            hold.release()
-            raise
+        held = None
+        if upload.reservation:  # its bytes come out of its call's reservation
+            held = self.engine.reservations.upload(call.owner, call.session, upload.reservation, total)
+        buffer = self.storage.reserve(call.session, call.owner, total, held)  # held while it is referenced
+        upload.read_into(buffer)
+        handle = self.storage.add_handle(call.session, call.owner, buffer)
         call.bytes_in = total
         return pb.TensorHandle(handle=handle, size=total)
 
@@ -306,7 +341,7 @@ class AclnnService:
 
     def RegisterRegion(self, request: RegionOffer, call: CallContext) -> str:
         """Maps a memfd the data channel's Unix socket received (never a name); returns the region's id."""
-        return self.storage.register_region(call.session, call.owner, map_region(request))
+        return self.storage.register_region(call.session, call.owner, *map_region(request))
 
     def UnregisterRegion(self, region_id: str, call: CallContext) -> None:
         self.storage.unregister_region(call.session, call.owner, region_id)

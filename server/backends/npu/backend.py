@@ -359,11 +359,11 @@ class NpuBackend:
         self._enter()
         self.streams.synchronize(*stream)
 
-    def end_session(self, session: str) -> None:
-        """A client session ended: its queued launches are waited for and its ACL streams unbound."""
+    def end_session(self, owner: str | None, session: str) -> None:
+        """An identity's client session ended: its queued launches are waited for and its ACL streams unbound."""
         if not self._closed:
             self._enter()
-            self.streams.end_session(session)
+            self.streams.end_session(owner, session)
 
     def device_memory(self) -> NpuMemory:
         """Device buffers in NPU memory from the caching allocator (see memory.py)."""

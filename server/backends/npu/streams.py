@@ -178,13 +178,13 @@ class StreamPool:
             key, failure = failures[0]
             raise AclnnError(failure.code, f"a call queued on stream {key[2]} failed on the device: {failure.message}")
 
-    def end_session(self, session: Hashable) -> None:
-        """A session ended: its work is waited for, its failures dropped, its ACL streams unbound."""
+    def end_session(self, owner: Hashable, session: Hashable) -> None:
+        """An identity's session ended: its work is waited for, its failures dropped, its ACL streams unbound."""
         with self._lock:
-            streams = [s for s in self._streams if s.key is not None and s.key[1] == session]
+            streams = [s for s in self._streams if s.key is not None and s.key[:2] == (owner, session)]
         for stream in streams:
             with stream.lock:
-                if stream.key is None or stream.key[1] != session:
+                if stream.key is None or stream.key[:2] != (owner, session):
                     continue
                 failure = self._drain(stream) if stream.launches else None
                 if failure is not None:

@@ -53,7 +53,9 @@ class Connection:
         self.admitted = False
         self.owner: str | None = None
         self.session: str | None = None
-        self.deadline: float | None = deadline  # of the handshake, or of the request being received
+        self.deadline: float | None = deadline  # of the handshake, or the next byte of the request being received
+        self.started = 0.0  # when the request's first byte came
+        self.received = 0  # its bytes so far (the progress its deadline follows)
         self.idle_since = time.monotonic()
         self.events = select.EPOLLIN
         self.active = False  # a worker handles it now

@@ -10,12 +10,10 @@ from google.rpc import status_pb2
 
 from aclnn_common.framing import REPLY, ConnectionLost
 
+from ..progress import progress_deadline
 from .connection import Connection, ProtocolError
 from .descriptors import ROOM_FOR_ALL, Unexpected, descriptors
 
-# Beyond the base allowance (the handshake timeout), a request's bytes must arrive, and a reply's
-# leave, at least this fast: a 1 GiB tensor gets ~17 minutes, a slow-loris peer a few seconds.
-MIN_BYTES_PER_S = 1 << 20
 # Plain ints once: IntFlag arithmetic is Python code (~2 us an operation, on every request).
 _PEEK_NOW = int(socket.MSG_PEEK | socket.MSG_DONTWAIT)
 _CLOEXEC = int(socket.MSG_CMSG_CLOEXEC)
@@ -60,8 +58,11 @@ def fill(conn: Connection, allowance_s: float) -> bool:
             return False
         if count == 0:
             raise ConnectionLost("closed by the peer" if conn.got else "closed by the peer between requests")
-        if conn.deadline is None:  # the request's first bytes: the whole of it must follow in time
-            conn.deadline = time.monotonic() + allowance_s
+        now = time.monotonic()
+        if conn.deadline is None:  # the request's first bytes: the rest must keep coming (housekeeping)
+            conn.started, conn.received = now, 0
+        conn.received += count
+        conn.deadline = progress_deadline(conn.started, conn.received, allowance_s, now)
         conn.got += count
     return True
 
@@ -80,21 +81,30 @@ def drain(conn: Connection) -> bool:
 
 
 def send(conn: Connection, header: bytes, payload: bytes | memoryview, allowance_s: float) -> None:
-    """Sends a reply: at once when the socket takes it (small replies), else within a deadline for its size."""
+    """Sends a reply: at once when the socket takes it (small replies), else as fast as the peer reads,
+    as long as it keeps up with progress.MIN_BYTES_PER_S (else TimeoutError: the caller closes the connection)."""
     nbytes = len(header) + memoryview(payload).nbytes
     parts = [header + bytes(payload)] if nbytes <= _COALESCE_BYTES else [header, memoryview(payload).cast("B")]
-    sock = conn.sock
+    sock, moved = conn.sock, 0
+    started = last = time.monotonic()
     for part in parts:
+        view, sent = memoryview(part), 0
         try:
-            sent = sock.send(part)
+            sent = sock.send(view)
         except (BlockingIOError, ssl.SSLWantWriteError):
-            sent = 0
-        if sent < len(part):
-            sock.settimeout(allowance_s + nbytes / MIN_BYTES_PER_S)
+            pass
+        if sent < len(view):
             try:
-                sock.sendall(memoryview(part)[sent:])
+                while sent < len(view):
+                    remaining = progress_deadline(started, moved + sent, allowance_s, last) - time.monotonic()
+                    if remaining <= 0:
+                        raise TimeoutError(f"the peer read {moved + sent} of {nbytes} bytes too slowly")
+                    sock.settimeout(remaining)
+                    sent += sock.send(view[sent:])
+                    last = time.monotonic()
             finally:
                 sock.setblocking(False)
+        moved += sent
 
 
 def send_now(conn: Connection, data: bytes) -> None:

@@ -116,6 +116,10 @@ class DataChannelServer:
         self._handshaking = 0
         self._admitted = 0
         self._per_identity: collections.Counter[str | None] = collections.Counter()
+        # Workers serving each identity's requests now, and its requests waiting for one of its own.
+        self._workers_per_identity = max(1, limits.workers // 2)
+        self._busy: collections.Counter[str | None] = collections.Counter()
+        self._parked: dict[str | None, collections.deque[tuple[Connection, tuple[int, int, int, int, int]]]] = {}
         self._lock = threading.Lock()
         self._stopping = False
         self._refusing = False  # the handshake cap is being hit (warned once per episode)
@@ -183,8 +187,10 @@ class DataChannelServer:
             if self._stopping:
                 return
             self._stopping = True
+            parked = [conn for waiting in self._parked.values() for conn, _ in waiting]
+            self._parked.clear()
             for conn in list(self._conns.values()):
-                if not conn.active:
+                if not conn.active or conn in parked:
                     self._close_locked(conn)
                 elif grace is None:
                     _shutdown(conn.sock)
@@ -304,10 +310,11 @@ class DataChannelServer:
 
     def _turn(self, conn: Connection) -> None:
         """Whatever the connection is ready for: its handshake, its request (served once whole)."""
-        try:
-            if not conn.admitted and not self._handshake(conn):
-                return self._rearm(conn)
-            while True:
+        while True:
+            parked = None
+            try:
+                if not conn.admitted and not self._handshake(conn):
+                    return self._rearm(conn)
                 header = self._requests.receive(conn)
                 if header is None:
                     return self._rearm(conn)
@@ -316,18 +323,77 @@ class DataChannelServer:
                         return None  # the broker's thread serves it, then re-arms or closes the connection
                     self._requests.fail(conn, _REGISTRATIONS_BUSY)
                 else:
-                    self._requests.serve(conn, *header)
+                    served, parked = self._serve(conn, header)
+                    if not served:
+                        return None  # parked until a worker of its identity is free
                 if not self._next(conn):
-                    return self._rearm(conn)
-        except Unexpected as exc:
-            self._close(conn, exc.fds)
+                    self._rearm(conn)
+                    return self._serve_parked(parked)
+                self._serve_parked(parked)
+                continue  # TLS read ahead: the next request may be here already
+            except Unexpected as exc:
+                self._close(conn, exc.fds)
+            except (OSError, ConnectionLost, ProtocolError) as exc:
+                log.debug("data channel connection closed: %s", exc)
+                self._close(conn)
+            except Exception:
+                log.exception("data channel connection failed")
+                self._close(conn)
+            return self._serve_parked(parked)
+
+    def _serve(
+        self, conn: Connection, header: tuple[int, int, int, int, int]
+    ) -> tuple[bool, tuple[Connection, tuple[int, int, int, int, int]] | None]:
+        """Serves a whole request on this worker, within its identity's share of the workers (a request
+        may hold one for a while: waiting in the queue, an upload's bytes, a reply a slow peer reads).
+        Returns (False, None) when the identity has its share busy: the request is parked, for the next
+        of its workers to finish. Else (True, the identity's next parked request, which this worker serves
+        next: its count stays taken)."""
+        owner = conn.owner
+        with self._lock:
+            if self._busy[owner] >= self._workers_per_identity:
+                self._parked.setdefault(owner, collections.deque()).append((conn, header))
+                return False, None
+            self._busy[owner] += 1
+        try:
+            self._requests.serve(conn, *header)
+        except BaseException:
+            self._serve_parked(self._done_serving(owner))
+            raise
+        return True, self._done_serving(owner)
+
+    def _done_serving(self, owner: str | None) -> tuple[Connection, tuple[int, int, int, int, int]] | None:
+        """A worker of `owner` is free: the identity's next parked request, still counted busy, or None."""
+        with self._lock:
+            waiting = self._parked.get(owner)
+            if waiting:
+                parked = waiting.popleft()
+                if not waiting:
+                    del self._parked[owner]
+                return parked
+            self._busy[owner] -= 1
+            if not self._busy[owner]:
+                del self._busy[owner]
             return None
-        except (OSError, ConnectionLost, ProtocolError) as exc:
-            log.debug("data channel connection closed: %s", exc)
-        except Exception:
-            log.exception("data channel connection failed")
-        self._close(conn)
-        return None
+
+    def _serve_parked(self, parked: tuple[Connection, tuple[int, int, int, int, int]] | None) -> None:
+        """Serves parked requests on this worker (their identity's count already taken), each connection
+        re-armed (or its next request served) after, until its identity has none parked."""
+        while parked is not None:
+            conn, header = parked
+            try:
+                self._requests.serve(conn, *header)
+                more = self._next(conn)
+            except Exception as exc:
+                log.debug("data channel connection closed: %s", exc)
+                more = None
+            parked = self._done_serving(conn.owner)
+            if more is None:
+                self._close(conn)
+            elif more:
+                self._turn(conn)
+            else:
+                self._rearm(conn)
 
     @staticmethod
     def _next(conn: Connection) -> bool:

@@ -14,9 +14,12 @@ class Mailbox:
 
     Its first _MAPPED_MAILBOX_BYTES are mapped read-only, so a small request (the common one) is one
     copy: a pread reads a memfd page by page, 24-32 us for a 37 KB request here. Larger payloads are
-    read with pread. The seals keep the memfd from shrinking under the mapping (no SIGBUS). Reading
-    a hole through the mapping fills it with a page charged to the server, so a connection's mapping
-    can cost the server at most _MAPPED_MAILBOX_BYTES, what its own buffer costs (BUFFER_BYTES).
+    read with pread, which never fills a hole. The seals keep the memfd from shrinking under the
+    mapping (no SIGBUS). Reading a hole through the mapping fills it with a page charged to the
+    server, so a connection's mapping can cost the server at most _MAPPED_MAILBOX_BYTES, what its own
+    buffer costs (BUFFER_BYTES), and no longer than the mailbox lives: closing it punches the head
+    out of the memfd (the mailbox goes with its connection; a memfd sealed against writes, which
+    could not be punched, is refused as a mailbox).
     """
 
     def __init__(self, fd: int, size: int) -> None:
@@ -38,6 +41,7 @@ class Mailbox:
         self._head.release()
         if self._map is not None:
             self._map.close()
+        _libc.fallocate(self.fd, _PUNCH_HOLE, 0, min(self.size, _MAPPED_MAILBOX_BYTES))
         os.close(self.fd)
 
 
@@ -53,6 +57,9 @@ def _read_mailbox(fd: int, payload: memoryview) -> int:
     return count
 
 
+_PUNCH_HOLE = 0x02 | 0x01  # FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.fallocate.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64)
 _GIL_HELD_READ_BYTES = 1 << 20
 _pread = ctypes.PyDLL(None, use_errno=True).pread  # PyDLL: the call keeps the GIL
 _pread.restype = ctypes.c_ssize_t

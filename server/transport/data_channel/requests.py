@@ -23,6 +23,7 @@ from aclnn_common.framing import (
     REGISTER_REGION,
     REPLY,
     REQUEST,
+    RESERVED_UPLOAD,
     UNREGISTER_REGION,
     UPLOAD,
     WRITE_BUFFER,
@@ -31,14 +32,16 @@ from aclnn_common.framing import (
 
 from ...engine import CallContext
 from ...regions import RegionOffer, checked_memfd
-from ..service import AclnnService, failure_status, new_request_id
+from ..progress import progress_deadline
+from ..service import AclnnService, failure_status, new_request_id, release
 from .connection import Connection, Limits, ProtocolError
 from .descriptors import Broker, Excess, allow_passing, receive_one
-from .framing import MIN_BYTES_PER_S, drain, failure_parts, fill, ok, peer_closed, receive_into, send, status
+from .framing import drain, failure_parts, fill, ok, peer_closed, receive_into, send, status
 from .mailbox import Mailbox
 
 _KINDS = frozenset(
-    {CALL, CALL | IN_MAILBOX, UPLOAD, DOWNLOAD, REGISTER_REGION, UNREGISTER_REGION, MAILBOX, WRITE_BUFFER, READ_BUFFER}
+    {CALL, CALL | IN_MAILBOX, UPLOAD, RESERVED_UPLOAD, DOWNLOAD, REGISTER_REGION, UNREGISTER_REGION, MAILBOX}
+    | {WRITE_BUFFER, READ_BUFFER}
 )
 # Requests that pass a descriptor: served on the identity's broker thread (see descriptors.py).
 REGISTRATIONS = frozenset({REGISTER_REGION, MAILBOX})
@@ -47,25 +50,27 @@ REGISTRATIONS = frozenset({REGISTER_REGION, MAILBOX})
 class _SocketUpload:
     """An UPLOAD's bytes: room is confirmed to the client (the reservation held), then they are received."""
 
-    def __init__(self, requests: Requests, conn: Connection, total_size: int) -> None:
-        self.requests, self.conn, self.total_size = requests, conn, total_size
+    def __init__(self, requests: Requests, conn: Connection, total_size: int, reservation: str = "") -> None:
+        self.requests, self.conn, self.total_size, self.reservation = requests, conn, total_size, reservation
         self.started = False
 
     def read_into(self, buffer: memoryview) -> None:
+        """Receives the bytes as fast as they come, as long as they keep up with progress.MIN_BYTES_PER_S."""
         self.started = True
         self.requests.send(self.conn, REPLY.pack(1, 0))
-        deadline = time.monotonic() + self.requests.limits.handshake_timeout_s + buffer.nbytes / MIN_BYTES_PER_S
         sock, received = self.conn.sock, 0
+        started = last = time.monotonic()
+        allowance = self.requests.limits.handshake_timeout_s
         try:
             while received < buffer.nbytes:
-                remaining = deadline - time.monotonic()
+                remaining = progress_deadline(started, received, allowance, last) - time.monotonic()
                 if remaining <= 0:
-                    raise TimeoutError(f"{received} of {buffer.nbytes} bytes arrived before the deadline")
+                    raise TimeoutError(f"{received} of {buffer.nbytes} bytes came, too slowly")
                 sock.settimeout(remaining)
                 count = receive_into(self.conn, buffer[received:])
                 if count == 0:
                     raise ConnectionLost(f"connection closed after {received} of {buffer.nbytes} bytes")
-                received += count
+                received, last = received + count, time.monotonic()
         except (ConnectionLost, TimeoutError) as exc:
             raise invalid_error("chunk", f"upload truncated: {exc}") from None
         finally:
@@ -119,7 +124,6 @@ class Requests:
             if length > self.max_message_bytes:
                 self.fail(conn, status(code_pb2.RESOURCE_EXHAUSTED, f"request of {length} bytes is over the limit"))
                 raise ProtocolError("request over the message limit")
-            conn.deadline += length / MIN_BYTES_PER_S
             if REQUEST.size + length <= len(conn.buffer):
                 conn.need = REQUEST.size + length
                 conn.payload = conn.buffer[REQUEST.size : conn.need]
@@ -146,9 +150,23 @@ class Requests:
         if conn.refusal is not None:
             return self.fail(conn, conn.refusal)
         call = self._call(conn, has_stream, stream, timeout_ms)
+        try:
+            return self._serve(conn, call, kind, length)
+        finally:
+            release(call)  # what the call held (its request, its outputs) until the reply is sent
+
+    def _serve(self, conn: Connection, call: CallContext, kind: int, length: int) -> None:
         request_id = new_request_id()
-        if kind == UPLOAD:
-            upload = _SocketUpload(self, conn, length)
+        if kind in (UPLOAD, RESERVED_UPLOAD):
+            if kind == UPLOAD:
+                upload = _SocketUpload(self, conn, length)
+            elif length > REGION.size:
+                size = REGION.unpack_from(conn.payload)[0]
+                upload = _SocketUpload(self, conn, size, bytes(conn.payload[REGION.size :]).decode(errors="replace"))
+            else:
+                return self.fail(
+                    conn, status(code_pb2.INVALID_ARGUMENT, "RESERVED_UPLOAD needs a size and a reservation")
+                )
             try:
                 reply = self.service.invoke("UploadTensor", upload, call, request_id)
             except Exception as exc:
@@ -159,20 +177,21 @@ class Requests:
         payload = conn.payload
         if kind == WRITE_BUFFER:
             return self._write_buffer(conn, payload, call, request_id)
-        try:
+        try:  # a failure to send a reply (the peer fell behind) is not caught here: it closes the connection
             if kind == READ_BUFFER:
-                data = self.service.invoke("ReadBuffer", pb.BufferRange.FromString(payload), call, request_id)
-                return self.send(conn, REPLY.pack(1, data.nbytes), data)
-            if kind == DOWNLOAD:
+                buffer = self.service.invoke("ReadBuffer", pb.BufferRange.FromString(payload), call, request_id)
+            elif kind == DOWNLOAD:
                 buffer = self.service.invoke("DownloadTensor", pb.TensorHandle.FromString(payload), call, request_id)
-                return self.send(conn, REPLY.pack(1, buffer.nbytes), buffer)
-            if kind == UNREGISTER_REGION:
+            elif kind == UNREGISTER_REGION:
                 self.service.invoke("UnregisterRegion", bytes(payload).decode(errors="replace"), call, request_id)
-                return self.send(conn, *ok(b""))
         except DecodeError:
             return self.fail(conn, status(code_pb2.INVALID_ARGUMENT, f"request of kind {kind} does not parse"))
         except Exception as exc:
             return self.fail(conn, failure_status(exc)[0])
+        if kind in (READ_BUFFER, DOWNLOAD):
+            return self.send(conn, REPLY.pack(1, buffer.nbytes), buffer)
+        if kind == UNREGISTER_REGION:
+            return self.send(conn, *ok(b""))
         method = bytes(payload[1 : 1 + payload[0]]).decode(errors="replace") if length else ""
         if method not in METHODS:
             unknown = status(code_pb2.UNIMPLEMENTED, f"method {method!r:.60} is not on the data channel")
@@ -225,17 +244,18 @@ class Requests:
         offer = RegionOffer(fds[0] if fds else None, size, passed)
         try:
             if kind == MAILBOX:
-                mailbox = Mailbox(checked_memfd(offer), size)
+                mailbox = Mailbox(checked_memfd(offer, punchable=True), size)
                 fds.pop(0)  # the connection keeps it
                 if conn.mailbox is not None:
                     conn.mailbox.close()
-                conn.mailbox = mailbox
-                return self.send(conn, *ok(b""))
-            call = self._call(conn, has_stream, stream, timeout_ms)
-            region_id = self.service.invoke("RegisterRegion", offer, call, new_request_id())
-            return self.send(conn, *ok(region_id.encode()))
+                conn.mailbox, answer = mailbox, b""
+            else:
+                call = self._call(conn, has_stream, stream, timeout_ms)
+                answer = self.service.invoke("RegisterRegion", offer, call, new_request_id()).encode()
         except Exception as exc:
             return self.fail(conn, failure_status(exc)[0])
+        else:
+            return self.send(conn, *ok(answer))
         finally:
             # Refused, extra, or mapped (the mapping holds its own): closed after the reply, and after
             # the connection is back with the loop, in the identity's queue (a close may linger).
