@@ -126,6 +126,7 @@ class Client(BaseClient):
         self._held_lock = threading.Lock()
         self._repeatable: set[str] = set()  # repeatable executors not destroyed (each holds its session)
         self._region_replicas: set[int] = set()
+        self._called: set[int] = set()  # backends this client's session may hold something on (EndSession at close)
         self._keepalive: threading.Thread | None = None
         self._closed = threading.Event()
         self._operators: dict[str, tuple[frozenset[str], frozenset[str]]] | None = None
@@ -146,6 +147,11 @@ class Client(BaseClient):
                 except (AclnnError, NoConnection):
                     pass  # the server is gone: its lease on our session lapses by itself
         self._regions.close()
+        for replica in sorted(self._called):  # what this client's session holds there ends now
+            try:
+                self._call_on(replica, "EndSession", pb.Empty())
+            except (AclnnError, NoConnection):
+                pass  # gone: its lease on our session lapses by itself
         for channel in channels:
             channel.close()
         self._pool.close()
@@ -172,6 +178,8 @@ class Client(BaseClient):
     ) -> Any:
         """Calls one backend: over its data channel when it has one, else gRPC (the balanced channel
         when the call is `stateless` and the target is a name: gRPC picks the backend)."""
+        if not stateless:
+            self._called.add(replica)  # a call that may keep something in this client's session there
         channel = self._data_channel(replica) if method in DATA_CHANNEL_METHODS else None
         if channel is not None:
             try:
@@ -558,6 +566,7 @@ class Client(BaseClient):
             self._regions.release([region])
             log.debug("no shared memory for %d bytes on replica %d: %s", size, replica, exc)
             return None
+        self._called.add(replica)
         if replica not in self._region_replicas:
             self._region_replicas.add(replica)
             self._hold_session(replica)  # pooled regions live as long as this client

@@ -76,6 +76,7 @@ METHODS: dict[str, tuple[type, type]] = {
     "Synchronize": (pb.Empty, pb.Empty),
     "ReserveCall": (pb.CallReservation, pb.Reservation),
     "ReleaseReservation": (pb.Reservation, pb.Empty),
+    "EndSession": (pb.Empty, pb.Empty),
 }
 # A WRITE_BUFFER of up to this many bytes carries them in its message (one exchange); larger ones
 # follow as raw bytes once the server accepted the write.

@@ -99,15 +99,18 @@ class Storage:
 
     # Sessions -----------------------------------------------------------------------------
 
-    def _session(self, session_id: str | None, owner: str | None) -> Session:
-        """The caller's session, its lease renewed; made if new (within the identity's cap)."""
+    def _session(self, session_id: str | None, owner: str | None, create: bool = True) -> Session:
+        """The caller's session, its lease renewed; made if new (within the identity's cap), or (not
+        `create`: a lookup) an empty one that is not kept."""
         if not session_id:
             raise invalid_error("session", "handles and regions need an x-aclnn-session id in the call's metadata")
+        if len(session_id) > MAX_SESSION_ID:
+            raise invalid_error("session", f"x-aclnn-session ids are at most {MAX_SESSION_ID} characters")
         key = (owner, session_id)
         session = self._sessions.get(key)
+        if session is None and not create:
+            return Session(0.0)
         if session is None:
-            if len(session_id) > MAX_SESSION_ID:
-                raise invalid_error("session", f"x-aclnn-session ids are at most {MAX_SESSION_ID} characters")
             if self._per_identity[owner] >= self.max_per_identity:
                 raise CapacityError(
                     Status.INNER_CREATE_EXECUTOR,
@@ -122,11 +125,23 @@ class Storage:
         session.expires = self._clock() + self.session_ttl_s
         return session
 
-    def touch(self, session_id: str | None, owner: str | None) -> None:
-        """Renews a session's lease (KeepAlive, or any call naming it)."""
+    def touch(self, session_id: str | None, owner: str | None, create: bool = False) -> None:
+        """Renews a session's lease (any call naming it); `create`: makes it if new (a call about to keep
+        something in it: an executor, a reservation, a device buffer). A call that keeps nothing makes
+        no session."""
         if session_id:
             with self._locked():
-                self._session(session_id, owner)
+                self._session(session_id, owner, create)
+
+    def end(self, session_id: str | None, owner: str | None) -> None:
+        """Ends a session now (its client closed): as if its lease had lapsed."""
+        ended = False
+        with self._locked():
+            if (owner, session_id) in self._sessions:
+                self._drop((owner, session_id))
+                ended = True
+        if ended and session_id:
+            self._on_session_end(owner, session_id)
 
     def _drop(self, key: SessionKey) -> None:
         """Drops a session with the names of its handles and regions (their memory goes with its last view)."""
@@ -161,14 +176,14 @@ class Storage:
 
     def handle(self, session_id: str | None, owner: str | None, handle: str) -> memoryview:
         with self._locked():
-            buffer = self._session(session_id, owner).handles.get(handle)
+            buffer = self._session(session_id, owner, create=False).handles.get(handle)
         if buffer is None:
             raise invalid_error("handle", f"tensor handle {handle[:8]}... is unknown or freed")
         return buffer
 
     def free_handle(self, session_id: str | None, owner: str | None, handle: str) -> None:
         with self._locked():
-            buffer = self._session(session_id, owner).handles.pop(handle, None)
+            buffer = self._session(session_id, owner, create=False).handles.pop(handle, None)
         if buffer is None:
             raise invalid_error("handle", f"tensor handle {handle[:8]}... is unknown or freed")
 
@@ -216,7 +231,7 @@ class Storage:
 
     def unregister_region(self, session_id: str | None, owner: str | None, region_id: str) -> None:
         with self._locked():
-            region = self._session(session_id, owner).regions.pop(region_id, None)
+            region = self._session(session_id, owner, create=False).regions.pop(region_id, None)
         if region is None:
             raise invalid_error("region", f"{region_id[:8]!r}... is not registered")
 
@@ -225,7 +240,7 @@ class Storage:
     ) -> memoryview:
         """Bytes [offset, offset + size) of a registered region, checked against its bounds."""
         with self._locked():
-            region = self._session(session_id, owner).regions.get(region_id)
+            region = self._session(session_id, owner, create=False).regions.get(region_id)
         if region is None:
             raise invalid_error("region", f"{region_id[:8]!r}... is not registered")
         if offset + size > len(region):

@@ -174,6 +174,14 @@ def npu_address(npu_backend: NpuBackend) -> Iterator[str]:
 
 
 @pytest.fixture
+def token_file(tmp_path):
+    """A token file with two tenants' tokens, alice's and bob's."""
+    path = tmp_path / "tokens"
+    path.write_text("alice\nbob\n")
+    return path
+
+
+@pytest.fixture
 def rng() -> np.random.Generator:
     return np.random.default_rng(20261123)
 

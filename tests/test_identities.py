@@ -24,17 +24,10 @@ from aclnn_server.transport.auth import local_socket_uid, parse_peer
 OP = "aclnnLayerNormBackward"
 
 
-@pytest.fixture
-def tokens(tmp_path):
-    path = tmp_path / "tokens"
-    path.write_text("alice\nbob\n")
-    return path
-
-
-def test_wrong_tokens_take_no_call_slot_and_no_request_is_read(serve, tokens):
+def test_wrong_tokens_take_no_call_slot_and_no_request_is_read(serve, token_file):
     """Finding 2: streams with made-up tokens (each its own would-be identity) that never send a chunk
     are refused at once, before the call limit counts them; a valid tenant is served meanwhile."""
-    served = serve(auth_token_file=tokens, max_concurrency=1, max_queue=1)  # 6 call slots
+    served = serve(auth_token_file=token_file, max_concurrency=1, max_queue=1)  # 6 call slots
     release = threading.Event()
 
     def no_chunk():

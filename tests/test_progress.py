@@ -26,18 +26,11 @@ from aclnn_common.framing import CALL, DOWNLOAD, MAGIC, UPLOAD
 MIB = 1 << 20
 
 
-@pytest.fixture
-def tokens(tmp_path):
-    path = tmp_path / "tokens"
-    path.write_text("alice\nbob\n")
-    return path
-
-
-def test_silent_uploads_hold_their_identitys_share_of_the_workers_until_their_pace_lapses(serve, tokens):
+def test_silent_uploads_hold_their_identitys_share_of_the_workers_until_their_pace_lapses(serve, token_file):
     """Uploads announced and never sent hold at most half of the data channel's workers, and only until
     they fall behind the minimum pace (the grace period, here 1 s): another tenant is served meanwhile."""
     served = serve(
-        auth_token_file=tokens,
+        auth_token_file=token_file,
         max_concurrency=1,
         max_queue=2,  # 7 data-channel workers: 3 for one identity
         data_handshake_timeout_s=1.0,

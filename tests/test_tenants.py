@@ -40,13 +40,6 @@ OUTPUTS = frozenset({"gradInputOut", "gradWeightOut", "gradBiasOut"})
 MiB = 1 << 20
 
 
-@pytest.fixture
-def token_file(tmp_path):
-    path = tmp_path / "tokens"
-    path.write_text("alice\nbob\n")
-    return path
-
-
 def owner(token: str) -> str:
     return "token:" + hashlib.sha256(token.encode()).hexdigest()[:16]
 
@@ -384,12 +377,15 @@ def test_sessions_and_tickets_are_capped_per_identity(serve, token_file):
         with pytest.raises(grpc.RpcError) as refused:
             stub.KeepAlive(pb.Empty(), metadata=metadata("alice", session="x" * 6000))
         assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "x-aclnn-session" in refused.value.details()
-        for i in range(8):
-            stub.KeepAlive(pb.Empty(), metadata=metadata("alice", session=f"s{i}"))
+        for i in range(8):  # a session is made by a call that keeps something in it
+            upload(stub, b"x", metadata("alice", session=f"s{i}"))
+        stub.KeepAlive(pb.Empty(), metadata=metadata("alice", session="one-more"))  # keeps nothing: makes none
         with pytest.raises(grpc.RpcError) as refused:
-            stub.KeepAlive(pb.Empty(), metadata=metadata("alice", session="one-more"))
+            upload(stub, b"x", metadata("alice", session="one-more"))
         assert exhausted(refused.value) and "--max-tenant-sessions" in refused.value.details()
-        stub.KeepAlive(pb.Empty(), metadata=metadata("bob", session="one-more"))  # another identity's own
+        upload(stub, b"x", metadata("bob", session="one-more"))  # another identity's own
+        stub.EndSession(pb.Empty(), metadata=metadata("alice", session="s0"))  # a client closed: its session goes
+        upload(stub, b"x", metadata("alice", session="one-more"))
         tickets = [stub.OpenDataChannel(pb.Empty(), metadata=metadata("alice", session="s0")) for _ in range(40)]
     with connect(tickets[0]) as first, connect(tickets[-1]) as last:
         assert reply(first)[0] is False  # forgotten: an identity keeps its 16 latest

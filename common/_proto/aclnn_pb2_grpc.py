@@ -95,6 +95,11 @@ class AclnnStub:
                 request_serializer=aclnn_dot_v1_dot_aclnn__pb2.Reservation.SerializeToString,
                 response_deserializer=aclnn_dot_v1_dot_aclnn__pb2.Empty.FromString,
                 _registered_method=True)
+        self.EndSession = channel.unary_unary(
+                '/aclnn.v1.Aclnn/EndSession',
+                request_serializer=aclnn_dot_v1_dot_aclnn__pb2.Empty.SerializeToString,
+                response_deserializer=aclnn_dot_v1_dot_aclnn__pb2.Empty.FromString,
+                _registered_method=True)
         self.OpenDataChannel = channel.unary_unary(
                 '/aclnn.v1.Aclnn/OpenDataChannel',
                 request_serializer=aclnn_dot_v1_dot_aclnn__pb2.Empty.SerializeToString,
@@ -221,6 +226,13 @@ class AclnnServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def EndSession(self, request, context):
+        """Ends the caller's session (x-aclnn-session) now, with everything in it: its client closed.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def OpenDataChannel(self, request, context):
         """A ticket for data-channel connections (fast bulk bytes and unary calls; on this host,
         shared-memory regions, which are registered over the Unix socket only, never by name).
@@ -337,6 +349,11 @@ def add_AclnnServicer_to_server(servicer, server):
             'ReleaseReservation': grpc.unary_unary_rpc_method_handler(
                     servicer.ReleaseReservation,
                     request_deserializer=aclnn_dot_v1_dot_aclnn__pb2.Reservation.FromString,
+                    response_serializer=aclnn_dot_v1_dot_aclnn__pb2.Empty.SerializeToString,
+            ),
+            'EndSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.EndSession,
+                    request_deserializer=aclnn_dot_v1_dot_aclnn__pb2.Empty.FromString,
                     response_serializer=aclnn_dot_v1_dot_aclnn__pb2.Empty.SerializeToString,
             ),
             'OpenDataChannel': grpc.unary_unary_rpc_method_handler(
@@ -703,6 +720,33 @@ class Aclnn:
             target,
             '/aclnn.v1.Aclnn/ReleaseReservation',
             aclnn_dot_v1_dot_aclnn__pb2.Reservation.SerializeToString,
+            aclnn_dot_v1_dot_aclnn__pb2.Empty.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def EndSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/aclnn.v1.Aclnn/EndSession',
+            aclnn_dot_v1_dot_aclnn__pb2.Empty.SerializeToString,
             aclnn_dot_v1_dot_aclnn__pb2.Empty.FromString,
             options,
             channel_credentials,

@@ -255,6 +255,9 @@ class AclnnServicer(pb_grpc.AclnnServicer):
     def ReleaseReservation(self, request: pb.Reservation, context: grpc.ServicerContext) -> pb.Empty:
         return self._serve("ReleaseReservation", request, context)
 
+    def EndSession(self, request: pb.Empty, context: grpc.ServicerContext) -> pb.Empty:
+        return self._serve("EndSession", request, context)
+
 
 def bind_address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

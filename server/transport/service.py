@@ -204,6 +204,7 @@ class AclnnService:
     # Calls --------------------------------------------------------------------------------
 
     def GetWorkspaceSize(self, request: pb.OpCall, call: CallContext) -> pb.WorkspacePlan:
+        self.storage.touch(call.session, call.owner, create=True)  # the executor lives in the session
         values = decode_params(request.params, lambda ref: self._stored(ref, call))
         size, executor = self.engine.get_workspace_size(request.op, values, call)
         return pb.WorkspacePlan(workspace_size=size, executor=executor)
@@ -225,6 +226,7 @@ class AclnnService:
 
     def ReserveCall(self, request: pb.CallReservation, call: CallContext) -> pb.Reservation:
         """Holds a Run's or an Execute's memory as one unit, before its bytes are sent (reservations.py)."""
+        self.storage.touch(call.session, call.owner, create=True)
         if request.HasField("run"):
             placed(request.run.placements, call)
             values = decode_params(request.run.params, lambda ref: None)  # descriptors are enough to plan
@@ -349,6 +351,7 @@ class AclnnService:
     # Device memory ------------------------------------------------------------------------
 
     def MallocBuffer(self, request: pb.MallocRequest, call: CallContext) -> pb.BufferInfo:
+        self.storage.touch(call.session, call.owner, create=True)  # the buffer lives in the session
         buffer = self.engine.malloc(request.size, call)
         return pb.BufferInfo(buffer=buffer.id, size=buffer.size)
 
@@ -387,6 +390,11 @@ class AclnnService:
 
     def _device(self, ref: pb.DeviceSlice, call: CallContext, param: str) -> ResidentStorage:
         return self.engine.buffers.slice(call.owner, call.session, ref.buffer, ref.offset, param)
+
+    def EndSession(self, request: pb.Empty, call: CallContext) -> pb.Empty:
+        """The client closed: its session ends now, with everything in it."""
+        self.storage.end(call.session, call.owner)
+        return pb.Empty()
 
     def KeepAlive(self, request: pb.Empty, call: CallContext) -> pb.Empty:
         return pb.Empty()  # invoke renewed the session's lease
