@@ -629,7 +629,11 @@ class Engine:
         they are held together. No allocation is sized by a client's whim, and no call waits or
         is retried for memory it can never have."""
         tensors = [*plan.inputs.values(), *plan.outputs.values()]
-        # An input holds its storage (a broadcast view's is small); an output, a fresh array of its view.
+        views = [t.numel * t.dtype.itemsize for t in tensors]
+        if max(views, default=0) > self.ledger.tenant_bytes:  # one tensor alone: the message names the first
+            for t, size in zip(tensors, views):
+                self.ledger.check_possible({RUNNING: size}, t.name)
+        # Together: an input holds its storage (a broadcast view's is small); an output, a fresh array.
         sizes = [t.storage_nbytes for t in plan.inputs.values()] + [
             t.numel * t.dtype.itemsize for t in plan.outputs.values()
         ]

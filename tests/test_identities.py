@@ -67,12 +67,15 @@ def test_made_up_tokens_without_a_token_file_are_one_identity(serve):
     is that user, so its caps hold together."""
     served = serve(max_tenant_executors=2)
     p = layer_norm_call(np.random.default_rng(1), (4, 8))
-    planned = []
-    for token in ("x1", "x2"):
-        with Client(served.address, token=token) as c:
-            planned.append(c.get_workspace_size(OP, **p)[1])
-    with Client(served.address, token="x3") as c, pytest.raises(AclnnError) as refused:
-        c.get_workspace_size(OP, **p)
+    clients = [Client(served.address, token=token) for token in ("x1", "x2", "x3")]
+    try:
+        for c in clients[:2]:
+            c.get_workspace_size(OP, **p)
+        with pytest.raises(AclnnError) as refused:
+            clients[2].get_workspace_size(OP, **p)
+    finally:
+        for c in clients:
+            c.close()
     assert refused.value.grpc_code == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "live for this caller" in refused.value.message
 

@@ -88,7 +88,8 @@ def test_prometheus_metrics(serve, rng):
         c.get_workspace_size(OP, **p)  # a live executor
         with pytest.raises(AclnnError):
             c.run(OP, **dict(p, gradOut=None))
-    text = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10).read().decode()
+        # Read while the client is open: a closed client's session ends, and its executors with it.
+        text = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10).read().decode()
     assert 'aclnn_requests_total{method="Run",op="aclnnLayerNormBackward",status="ACLNN_SUCCESS"} 1.0' in text
     assert 'status="ACLNN_ERR_PARAM_NULLPTR"} 1.0' in text
     for phase in ("queue", "validation", "compute", "transfer"):

@@ -176,6 +176,7 @@ _UID = struct.Struct("=I")
 # inet_diag_msg: family, state, timer, retransmits (4), sockid (48), expires, rqueue, wqueue (12), uid.
 _UID_OFFSET = _HEADER.size + 4 + 48 + 12
 _warned = False
+_diag = threading.local()
 
 
 def local_socket_uid(
@@ -189,8 +190,8 @@ def local_socket_uid(
     if client.version != getattr(server, "version", client.version):
         return None
     ends = [(client, server)]
-    if client.version == 4:
-        ends.append(tuple(ipaddress.IPv6Address(b"\0" * 10 + b"\xff\xff" + a.packed) for a in (client, server)))
+    if client.version == 4:  # gRPC's own sockets are dual-stack: those are asked first
+        ends.insert(0, tuple(ipaddress.IPv6Address(b"\0" * 10 + b"\xff\xff" + a.packed) for a in (client, server)))
     for client_end, server_end in ends:
         uid = _established_uid(client_end, client_port, server_end, server_port)
         if uid is not None:
@@ -206,16 +207,8 @@ def _established_uid(client: Any, client_port: int, server: Any, server_port: in
         + server.packed.ljust(16, b"\0")
         + _TAIL.pack(0, _NO_COOKIE, _NO_COOKIE)
     )
-    request = _REQUEST.pack(family, socket.IPPROTO_TCP, 0, 0, 1 << _TCP_ESTABLISHED) + sockid
-    try:
-        with socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, _NETLINK_SOCK_DIAG) as diag:
-            diag.send(_HEADER.pack(_HEADER.size + len(request), _SOCK_DIAG_BY_FAMILY, _NLM_F_REQUEST, 1, 0) + request)
-            answer = diag.recv(4096)
-    except OSError as exc:
-        global _warned
-        if not _warned:
-            _warned = True
-            log.warning("cannot ask the kernel who owns a local client's socket (%s): local users are peers", exc)
+    answer = _ask(_REQUEST.pack(family, socket.IPPROTO_TCP, 0, 0, 1 << _TCP_ESTABLISHED) + sockid)
+    if answer is None:
         return None
     if len(answer) < _UID_OFFSET + _UID.size or _HEADER.unpack_from(answer)[1] == _NLMSG_ERROR:
         return None  # no such socket
@@ -225,3 +218,30 @@ def _established_uid(client: Any, client_port: int, server: Any, server_port: in
     if found_family != family or state != _TCP_ESTABLISHED or found_id != sockid[:36]:
         return None
     return _UID.unpack_from(answer, _UID_OFFSET)[0]
+
+
+def _ask(request: bytes) -> bytes | None:
+    """One sock_diag request and its one answer, on this thread's netlink socket (kept between calls);
+    None when the kernel cannot be asked."""
+    diag = getattr(_diag, "socket", None)
+    try:
+        if diag is None:
+            diag = _diag.socket = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, _NETLINK_SOCK_DIAG)
+            _diag.sequence = 0
+        _diag.sequence += 1
+        diag.send(
+            _HEADER.pack(_HEADER.size + len(request), _SOCK_DIAG_BY_FAMILY, _NLM_F_REQUEST, _diag.sequence, 0) + request
+        )
+        answer = diag.recv(4096)
+    except OSError as exc:
+        global _warned
+        if not _warned:
+            _warned = True
+            log.warning("cannot ask the kernel who owns a local client's socket (%s): local users are peers", exc)
+        answer = b""
+    if len(answer) >= _HEADER.size and _HEADER.unpack_from(answer)[3] == _diag.sequence:
+        return answer
+    if diag is not None:  # failed, or out of step: a fresh socket next time
+        diag.close()
+        _diag.socket = None
+    return None
