@@ -25,15 +25,17 @@ class Operator:
 
     `compute` takes the operator's parameters by their CANN names: input tensors as
     read-only NumPy views (None when null), enabled outputs as arrays to fill (None
-    when masked off), arrays and scalars as validated. `workspace_size` is the
-    scratch, in bytes, that `compute` allocates beyond its outputs.
+    when masked off), arrays and scalars as validated. It returns True when an fp32
+    intermediate left fp32's range (`ops.rows.out_of_range`): the backend then runs it again
+    in fp64 (`backends.widening`). `workspace_size` is the scratch, in bytes, that
+    `compute` allocates beyond its outputs (in fp64 the blocks hold half the elements).
     """
 
     name: str
     signature: Signature
     validate: Callable[[CallParams], Plan]
     workspace_size: Callable[[Plan], int]
-    compute: Callable[..., None]
+    compute: Callable[..., bool]
     notes: str = ""
 
 

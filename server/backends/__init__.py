@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 from ..registry import Operator, Plan
+from .widening import compute_in_range
 
 
 class Backend(Protocol):
@@ -39,7 +40,7 @@ class NumpyBackend:
         return operator.workspace_size(plan)
 
     def compute(self, operator: Operator, plan: Plan, args: dict[str, Any]) -> None:
-        operator.compute(**args)
+        compute_in_range(operator, plan, args, lambda: operator.compute(**args))
 
 
 BACKENDS = ("auto", "numpy", "cpu", "torch", "npu")

@@ -1,21 +1,13 @@
-"""TorchBackend: the operators through PyTorch's aten ops, on cpu, cuda:N or npu:N.
+"""TorchBackend: the operators as torch ops, on cpu, cuda:N or npu:N.
 
-aclnnLayerNormBackward is `aten.native_layer_norm_backward`, aclnnBatchNormBackward is
-`aten.native_batch_norm_backward` (channel-last tensors moved to channel-first, rank > 5
-folded to `[N, C, -1]`); LayerNormGrad and aclnnBatchNormElemtBackward are composed from
-torch ops. Their inputs are widened to float32 on the host, the math runs in float32 on the
-device, and each result is cast to its output's dtype (bf16 via ml_dtypes on the host).
-aclnnLayerNorm, aclnnGroupNorm and aclnnGroupNormBackward are `aten.native_layer_norm`,
-`aten.native_group_norm` and `aten.native_group_norm_backward`, aclnnBatchNorm is
-`aten.native_batch_norm` (laid out as its backward; aten updates the running statistics); the
-RMSNorm pair and SyncBatchNorm's helpers (aclnnBatchNormStats, aclnnBatchNormGatherStatsWithCounts,
-aclnnBatchNormElemt, aclnnBatchNormReduceBackward: aten has them on CUDA only) are their documented
-formulas. These run wholly in the accumulation dtype below (float64 on cpu and cuda), each output
-rounded once to its dtype.
-Parameter gradients of LayerNorm (sums over all rows) are taken in float64 where the device
-has it (cpu, cuda), so that long reductions meet SPEC 1.5's fp32 tolerance. LayerNorm's
-gradInput follows SPEC 3.2's formula (row sums in that precision too) rather than aten's
-folded one, which on a one-element row (gradInput exactly 0) leaves rstd-scaled rounding.
+Every operator is its documented formula composed from torch ops, run wholly in the accumulation
+dtype below (float64 on cpu and cuda: it holds the square of any fp32 value, so finite inputs
+never overflow or underflow an intermediate), each output rounded once to its dtype (bf16 via
+ml_dtypes on the host). The formulas are written as the NumPy reference writes them (see
+docs/operators.md, "Non-finite values"), so that ±Inf and NaN land where they land there:
+aten's own kernels differ (Welford means turn an Inf into NaN; native_batch_norm's folded
+x·s + (β − μ·s) loses β when μ·s is large, and answers invstd 0 for a zero variance with eps 0).
+BatchNorm's channel-last tensors are moved to channel-first first.
 
 torch is imported lazily: it is a test-only dependency, and constructing a TorchBackend
 without it raises a RuntimeError saying so. `npu:N` needs torch_npu.
@@ -31,21 +23,6 @@ import numpy as np
 from ..registry import Operator, Plan
 
 CHANNEL_LAST_RANK = {1: 4, 27: 5}  # aclFormat NHWC -> rank 4, NDHWC -> rank 5
-# The operators computed wholly in acc_dtype (see the module docstring).
-ACC_DTYPE_OPS = frozenset(
-    {
-        "aclnnLayerNorm",
-        "aclnnRmsNorm",
-        "aclnnRmsNormGrad",
-        "aclnnGroupNorm",
-        "aclnnGroupNormBackward",
-        "aclnnBatchNormStats",
-        "aclnnBatchNormGatherStatsWithCounts",
-        "aclnnBatchNormElemt",
-        "aclnnBatchNormReduceBackward",
-        "aclnnBatchNorm",
-    }
-)
 
 
 def _import_torch() -> Any:
@@ -97,8 +74,7 @@ class TorchBackend:
     def workspace_size(self, operator: Operator, plan: Plan) -> int:
         """Copies of the inputs and the outputs on the device, float32 or acc_dtype (a bound, not an exact count)."""
         numel = sum(t.numel for t in plan.inputs.values()) + sum(t.numel for t in plan.outputs.values())
-        itemsize = self.acc_dtype.itemsize if operator.name in ACC_DTYPE_OPS else 4
-        return itemsize * 3 * numel
+        return self.acc_dtype.itemsize * 3 * numel
 
     def compute(self, operator: Operator, plan: Plan, args: dict[str, Any]) -> None:
         fn = self._compute.get(operator.name)
@@ -113,34 +89,25 @@ class TorchBackend:
 
     # ------------------------------------------------------------------ helpers
 
-    def _t(self, a: np.ndarray | None) -> Any:
-        """A float32 device tensor with the values of a NumPy view (any strides, any float dtype)."""
-        if a is None:
-            return None
-        return self.torch.from_numpy(np.array(a, dtype=np.float32, order="C")).to(self.device)
-
     def _w(self, a: np.ndarray | None) -> Any:
-        """Like `_t`, in acc_dtype: the forward norms and their backwards run wholly in it."""
+        """An acc_dtype device tensor with the values of a NumPy view (any strides, any float dtype)."""
         if a is None:
             return None
         return self.torch.from_numpy(np.array(a, dtype=np.float64, order="C")).to(self.device, self.acc_dtype)
 
     def _store(self, out: np.ndarray | None, value: Any) -> None:
-        """Casts to the output's dtype (round to nearest even) and writes the result array."""
+        """Casts to the output's dtype (round to nearest even; beyond its range ±Inf) and writes the result array."""
         if out is None:
             return
-        out[...] = value.detach().cpu().numpy().reshape(out.shape).astype(out.dtype)
+        with np.errstate(over="ignore", invalid="ignore"):
+            out[...] = value.detach().cpu().numpy().reshape(out.shape).astype(out.dtype)
 
-    def _ones(self, n: int) -> Any:
-        return self.torch.ones(n, dtype=self.torch.float32, device=self.device)
-
-    def _zeros(self, n: int) -> Any:
-        return self.torch.zeros(n, dtype=self.torch.float32, device=self.device)
+    def _full(self, n: int, value: float) -> Any:
+        return self.torch.full((n,), value, dtype=self.acc_dtype, device=self.device)
 
     # ------------------------------------------------------------------ operators
 
     def _layer_norm_backward(self, a: dict[str, Any], plan: Plan) -> None:
-        torch = self.torch
         x, g = a["input"], a["gradOut"]
         norm = [int(d) for d in a["normalizedShape"]]
         lead = x.shape[: x.ndim - len(norm)]
@@ -153,25 +120,19 @@ class TorchBackend:
                 if out is not None:
                     out[...] = 0
             return
-        stats = tuple(lead) + (1,) * len(norm)
-        xt, gt = self._t(x), self._t(g)
-        mean, rstd = self._t(a["mean"]).reshape(stats), self._t(a["rstd"]).reshape(stats)
-        w = self._t(a["weightOptional"])
-        w = w.reshape(norm) if w is not None else torch.ones(norm, dtype=torch.float32, device=self.device)
-        xhat = (xt.reshape(m, n) - mean.reshape(m, 1)) * rstd.reshape(m, 1)
+        xt, gt = self._w(x).reshape(m, n), self._w(g).reshape(m, n)
+        mean, rstd = self._w(a["mean"]).reshape(m, 1), self._w(a["rstd"]).reshape(m, 1)
+        w = self._w(a["weightOptional"])
+        xhat = (xt - mean) * rstd
         if dx is not None:
             # SPEC's formula as written, not aten's folded a·g·w + b·x + c: with N = 1 (or x̂ = 0) the
-            # bracket cancels exactly, where aten's form leaves rstd-scaled rounding. Row sums in acc_dtype.
-            gw = gt.reshape(m, n) * w.reshape(1, n)
-            mean_gw = gw.sum(1, keepdim=True, dtype=self.acc_dtype) / n
-            mean_gw_xhat = (gw * xhat).sum(1, keepdim=True, dtype=self.acc_dtype) / n
-            self._store(dx, rstd.reshape(m, 1) * (gw - mean_gw.float() - xhat * mean_gw_xhat.float()))
-        if dw is not None or db is not None:
-            g2 = gt.reshape(m, n).to(self.acc_dtype)
-            if dw is not None:
-                self._store(dw, (g2 * xhat.to(self.acc_dtype)).sum(0))
-            if db is not None:
-                self._store(db, g2.sum(0))
+            # bracket cancels exactly, where aten's form leaves rstd-scaled rounding.
+            gw = gt if w is None else gt * w.reshape(1, n)
+            mean_gw = gw.sum(1, keepdim=True) / n
+            mean_gw_xhat = (gw * xhat).sum(1, keepdim=True) / n
+            self._store(dx, (gw - mean_gw - xhat * mean_gw_xhat) * rstd)
+        self._store(dw, (gt * xhat).sum(0) if dw is not None else None)
+        self._store(db, gt.sum(0) if db is not None else None)
 
     def _layer_norm_grad(self, a: dict[str, Any], plan: Plan) -> None:
         from ..ops.layer_norm_grad import EPSILON, normalization_start
@@ -179,80 +140,90 @@ class TorchBackend:
         x = a["x"]
         r, b = x.ndim, normalization_start(x.shape, a["mean"].shape)
         stats = x.shape[:b] + (1,) * (r - b)
-        xt, g, gamma = self._t(x), self._t(a["dy"]), self._t(a["gamma"])
-        rstd = (self._t(a["variance"]).reshape(stats) + EPSILON).rsqrt()
-        xhat = (xt - self._t(a["mean"]).reshape(stats)) * rstd
+        xt, g, gamma = self._w(x), self._w(a["dy"]), self._w(a["gamma"])
+        rstd = (self._w(a["variance"]).reshape(stats) + EPSILON).rsqrt()
+        xhat = (xt - self._w(a["mean"]).reshape(stats)) * rstd
         if a["pd_x"] is not None:
             axes, n = tuple(range(b, r)), math.prod(x.shape[b:])
             dyg = g * gamma
             if axes:
-                mean_dyg = dyg.to(self.acc_dtype).sum(axes, keepdim=True) / n
-                mean_dyg_xhat = (dyg * xhat).to(self.acc_dtype).sum(axes, keepdim=True) / n
+                mean_dyg = dyg.sum(axes, keepdim=True) / n
+                mean_dyg_xhat = (dyg * xhat).sum(axes, keepdim=True) / n
             else:  # no normalization axes: N = 1, each element is its own row
                 mean_dyg, mean_dyg_xhat = dyg, dyg * xhat
-            self._store(a["pd_x"], rstd * (dyg - mean_dyg.float() - xhat * mean_dyg_xhat.float()))
+            self._store(a["pd_x"], (dyg - mean_dyg - xhat * mean_dyg_xhat) * rstd)
         params = tuple(range(r - gamma.ndim))
         for out, value in ((a["pd_gamma"], g * xhat), (a["pd_beta"], g)):
             if out is not None:
-                value = value.to(self.acc_dtype)
                 self._store(out, value.sum(params) if params else value)
 
-    def _batch_norm_backward(self, a: dict[str, Any], plan: Plan) -> None:
-        torch = self.torch
-        x = a["input"]
-        rank = x.ndim
+    def _channels_first(self, a: np.ndarray, plan: Plan) -> tuple[Any, tuple[int, ...], int]:
+        """A BatchNorm tensor as [L, C, T] with its channel on axis 1 (moved there from the last axis
+        for NHWC/NDHWC); returns it, the channel-first shape and the axis it came from."""
+        rank = a.ndim
         channel_last = CHANNEL_LAST_RANK.get(int(plan.inputs["input"].format)) == rank
-        ca = rank - 1 if channel_last else 1
-        c = x.shape[ca]
-        mask = [bool(v) for v in a["outputMask"]]
+        axis = rank - 1 if channel_last else 1
+        t = self._w(a).movedim(axis, 1)
+        moved = tuple(t.shape)
+        return t.reshape(moved[0], moved[1], -1), moved, axis
+
+    def _batch_norm_backward(self, a: dict[str, Any], plan: Plan) -> None:
+        """ChannelPasses' formulas (ops/batch_norm_backward.py): s multiplies the sums, as aten's does."""
+        x = a["input"]
         dx, dw, db = a["gradInput"], a["gradWeight"], a["gradBias"]
         if x.size == 0:
             for out in (dw, db):
                 if out is not None:
                     out[...] = 0
             return
-        xt, gt = self._t(x), self._t(a["gradOut"])
-        if channel_last:  # to channel-first
-            perm = (0, rank - 1, *range(1, rank - 1))
-            xt, gt = xt.permute(perm), gt.permute(perm)
-        shape_cf = tuple(xt.shape)
-        if rank > 5:
-            xt, gt = xt.reshape(shape_cf[0], c, -1), gt.reshape(shape_cf[0], c, -1)
+        xt, moved, axis = self._channels_first(x, plan)
+        gt = self._channels_first(a["gradOut"], plan)[0]
+        c, count = moved[1], x.size // moved[1]
+
+        def per_channel(name: str, default: float) -> Any:
+            t = self._w(a[name])
+            return self._full(c, default) if t is None or t.numel() == 0 else t.reshape(c)
+
         training = bool(a["training"])
-
-        def per_channel(name: str, default: Any) -> Any:
-            t = self._t(a[name])
-            return default if t is None or t.numel() == 0 else t.reshape(c)
-
-        w = per_channel("weight", self._ones(c))
-        rm, rv = per_channel("runningMean", self._zeros(c)), per_channel("runningVar", self._ones(c))
-        sm, si = per_channel("saveMean", self._zeros(c)), per_channel("saveInvstd", self._ones(c))
-        gi, gw, gb = torch.ops.aten.native_batch_norm_backward(
-            gt.contiguous(), xt.contiguous(), w, rm, rv, sm, si, training, float(a["eps"]), mask
-        )
+        if training:
+            mu, s = per_channel("saveMean", 0.0), per_channel("saveInvstd", 1.0)
+        else:
+            mu, s = per_channel("runningMean", 0.0), 1.0 / (per_channel("runningVar", 1.0) + float(a["eps"])).sqrt()
+        xc = xt - mu.reshape(1, c, 1)
+        sum_g, sum_gxc = gt.sum((0, 2)), (gt * xc).sum((0, 2))
         if dx is not None:
-            gi = gi.reshape(shape_cf)
-            if channel_last:
-                gi = gi.permute(0, *range(2, rank), 1)
-            self._store(dx, gi)
-        self._store(dw, gw)
-        self._store(db, gb)
+            scale = (per_channel("weight", 1.0) * s).reshape(1, c, 1)
+            if training:
+                slope = (sum_gxc * s / count * s).reshape(1, c, 1)
+                gi = (gt - (sum_g / count).reshape(1, c, 1) - xc * slope) * scale
+            else:
+                gi = gt * scale
+            self._store(dx, gi.reshape(moved).movedim(1, axis))
+        self._store(dw, sum_gxc * s if dw is not None else None)
+        self._store(db, sum_g if db is not None else None)
 
     def _batch_norm_elemt_backward(self, a: dict[str, Any], plan: Plan) -> None:
-        torch = self.torch
         x = a["input"]
         if x.size == 0:
             return
-        c = x.shape[1]
-        bshape = (1, c) + (1,) * (x.ndim - 2)
-        xt, g = self._t(x), self._t(a["gradOut"])
-        mean, invstd = self._t(a["mean"]).reshape(bshape), self._t(a["invstd"]).reshape(bshape)
-        w = self._t(a["weight"])
-        w = w.reshape(bshape) if w is not None else torch.ones(bshape, device=self.device)
+        bshape = (1, x.shape[1]) + (1,) * (x.ndim - 2)
+
+        def per_channel(name: str) -> Any:
+            return self._w(a[name]).reshape(bshape)
+
+        invstd = per_channel("invstd")
+        w = 1.0 if a["weight"] is None else per_channel("weight")
         total = float(np.asarray(a["counter"], dtype=np.float64).sum())  # exact for INT32 counts
-        sum_dy = self._t(a["sumDy"]).reshape(bshape) / total
-        sum_dy_xmu = self._t(a["sumDyXmu"]).reshape(bshape) / total
-        self._store(a["gradInput"], (g - sum_dy - (xt - mean) * invstd * invstd * sum_dy_xmu) * invstd * w)
+        slope = invstd * invstd * per_channel("sumDyXmu") / total
+        shifted = self._w(a["gradOut"]) - per_channel("sumDy") / total - (self._w(x) - per_channel("mean")) * slope
+        self._store(a["gradInput"], shifted * (invstd * w))
+
+    def _normalized_rows(self, x: Any, eps: float) -> tuple[Any, Any, Any]:
+        """(x̂, mean, rstd) along the last axis: the plain mean (an Inf stays one) and population variance."""
+        mean = x.mean(-1, keepdim=True)
+        centered = x - mean
+        rstd = 1.0 / (centered.square().mean(-1, keepdim=True) + eps).sqrt()
+        return centered * rstd, mean, rstd
 
     def _layer_norm(self, a: dict[str, Any], plan: Plan) -> None:
         x, norm = a["input"], [int(d) for d in a["normalizedShape"]]
@@ -267,14 +238,12 @@ class TorchBackend:
             if rstd_out is not None:
                 rstd_out[...] = np.nan
             return
+        y, mean, rstd = self._normalized_rows(self._w(x).reshape(m, n), float(a["eps"]))
         w, b = self._w(a["weightOptional"]), self._w(a["biasOptional"])
-        y, mean, rstd = self.torch.ops.aten.native_layer_norm(
-            self._w(x).reshape(m, n),
-            [n],
-            None if w is None else w.reshape(n),
-            None if b is None else b.reshape(n),
-            float(a["eps"]),
-        )
+        if w is not None:
+            y = y * w.reshape(1, n)
+        if b is not None:
+            y = y + b.reshape(1, n)
         self._store(a["out"], y)
         self._store(mean_out, mean)
         self._store(rstd_out, rstd)
@@ -310,14 +279,18 @@ class TorchBackend:
             a["rstdOut"][...] = np.nan
             return
         n, c, hxw, group = (int(a[k]) for k in ("N", "C", "HxW", "group"))
-        y, mean, rstd = self.torch.ops.aten.native_group_norm(
-            self._w(x).reshape(n, c, hxw), self._w(a["gamma"]), self._w(a["beta"]), n, c, hxw, group, float(a["eps"])
-        )
+        xhat, mean, rstd = self._normalized_rows(self._w(x).reshape(n, group, -1), float(a["eps"]))
+        y = xhat.reshape(n, c, hxw)
+        if a["gamma"] is not None:
+            y = y * self._w(a["gamma"]).reshape(1, c, 1)
+        if a["beta"] is not None:
+            y = y + self._w(a["beta"]).reshape(1, c, 1)
         self._store(a["out"], y)
         self._store(a["meanOut"], mean)
         self._store(a["rstdOut"], rstd)
 
     def _group_norm_backward(self, a: dict[str, Any], plan: Plan) -> None:
+        """The reference's formulas (ops/group_norm_backward.py): x̂ per element, sums per (sample, group)."""
         n, c, hxw, group = (int(a[k]) for k in ("N", "C", "HxW", "group"))
         dx, dgamma, dbeta = a["gradInput"], a["gradGammaOut"], a["gradBetaOut"]
         if n * c * hxw == 0:  # no elements: the parameter gradients are empty sums
@@ -325,23 +298,18 @@ class TorchBackend:
                 if out is not None:
                     out[...] = 0
             return
-        gamma = self._w(a["gamma"])  # aten's kernel needs a weight tensor: ones when it is null
-        gamma = self.torch.ones(c, dtype=self.acc_dtype, device=self.device) if gamma is None else gamma.reshape(c)
-        gi, gg, gb = self.torch.ops.aten.native_group_norm_backward(
-            self._w(a["gradOut"]).reshape(n, c, hxw),
-            self._w(a["input"]).reshape(n, c, hxw),
-            self._w(a["mean"]).reshape(n, group),
-            self._w(a["rstd"]).reshape(n, group),
-            gamma,
-            n,
-            c,
-            hxw,
-            group,
-            [dx is not None, dgamma is not None, dbeta is not None],
-        )
-        self._store(dx, gi)
-        self._store(dgamma, gg)
-        self._store(dbeta, gb)
+        g = self._w(a["gradOut"]).reshape(n, group, -1)
+        mean, rstd = self._w(a["mean"]).reshape(n, group, 1), self._w(a["rstd"]).reshape(n, group, 1)
+        xhat = (self._w(a["input"]).reshape(n, group, -1) - mean) * rstd
+        self._store(dgamma, (g * xhat).reshape(n, c, hxw).sum((0, 2)) if dgamma is not None else None)
+        self._store(dbeta, g.reshape(n, c, hxw).sum((0, 2)) if dbeta is not None else None)
+        if dx is None:
+            return
+        gw = g if a["gamma"] is None else (g.reshape(n, c, hxw) * self._w(a["gamma"]).reshape(1, c, 1))
+        gw = gw.reshape(n, group, -1)
+        d = gw.shape[2]
+        mean_gw, mean_gwx = gw.sum(2, keepdim=True) / d, (gw * xhat).sum(2, keepdim=True) / d
+        self._store(dx, (gw - mean_gw - xhat * mean_gwx) * rstd)
 
     def _batch_norm_stats(self, a: dict[str, Any], plan: Plan) -> None:
         x = a["input"]
@@ -377,17 +345,13 @@ class TorchBackend:
             return
         bshape = (1, x.shape[1]) + (1,) * (x.ndim - 2)
 
-        def per_channel(name: str) -> Any:
+        def per_channel(name: str, default: float) -> Any:
             t = self._w(a[name])
-            return None if t is None else t.reshape(bshape)
+            return self._full(x.shape[1], default).reshape(bshape) if t is None else t.reshape(bshape)
 
-        w, b = per_channel("weight"), per_channel("bias")
-        y = (self._w(x) - per_channel("mean")) * per_channel("invstd")  # invstd is the factor; eps unused
-        if w is not None:
-            y = y * w
-        if b is not None:
-            y = y + b
-        self._store(a["output"], y)
+        # invstd is the factor (eps unused), times the weight first, as the reference's `normalize`
+        scale = per_channel("invstd", 1.0) * per_channel("weight", 1.0)
+        self._store(a["output"], (self._w(x) - per_channel("mean", 0.0)) * scale + per_channel("bias", 0.0))
 
     def _batch_norm_reduce_backward(self, a: dict[str, Any], plan: Plan) -> None:
         """Disabled outputs are None (their flag was false): _store skips them."""
@@ -408,28 +372,38 @@ class TorchBackend:
         self._store(a["gradBias"], sum_dy)
 
     def _batch_norm(self, a: dict[str, Any], plan: Plan) -> None:
+        """The reference's formulas (ops/batch_norm.py): the plain mean and population variance,
+        invstd = 1/√(var + eps) (Inf for a zero variance with eps 0), (x − mean)·(invstd·w) + b."""
         x = a["input"]
         if x.size == 0:  # CANN: saveMean 0 and saveInvstd NaN whenever given, nothing else written
             for name, value in (("saveMean", 0), ("saveInvstd", np.nan)):
                 if a[name] is not None:
                     a[name][...] = value
             return
-        torch, axis, training = self.torch, a["channel_axis"], bool(a["training"])
-        xt = self._w(x).movedim(axis, 1)  # channel-last tags: to channel-first
-        moved = xt.shape
-        c = moved[1]
-        if x.ndim > 5:
-            xt = xt.reshape(moved[0], c, -1)
-        rm, rv = self._w(a["runningMean"]), self._w(a["runningVar"])
-        if not training or (rm is None) != (rv is None):  # aten takes both or neither: CANN's defaults stand in
-            rm = torch.zeros(c, dtype=self.acc_dtype, device=self.device) if rm is None else rm
-            rv = torch.ones(c, dtype=self.acc_dtype, device=self.device) if rv is None else rv
-        y, mean, invstd = torch.ops.aten.native_batch_norm(
-            xt, self._w(a["weight"]), self._w(a["bias"]), rm, rv, training, float(a["momentum"]), float(a["eps"])
-        )
-        self._store(a["output"], y.reshape(moved).movedim(1, axis))
-        if training:  # aten updated rm/rv in place (unbiased variance)
-            self._store(a["saveMean"], mean)
-            self._store(a["saveInvstd"], invstd)
-            self._store(a["runningMean"], rm)
-            self._store(a["runningVar"], rv)
+        axis, training = a["channel_axis"], bool(a["training"])
+        moved = self._w(x).movedim(axis, 1)  # channel-last tags: to channel-first
+        c = moved.shape[1]
+        xt = moved.reshape(moved.shape[0], c, -1)
+        count = x.size // c
+
+        def per_channel(name: str, default: float) -> Any:
+            t = self._w(a[name])
+            return self._full(c, default) if t is None else t.reshape(c)
+
+        if training:
+            mean = xt.mean((0, 2))
+            var = (xt - mean.reshape(1, c, 1)).square().mean((0, 2))
+        else:  # CANN's defaults when null: mean 0, variance 1
+            mean, var = per_channel("runningMean", 0.0), per_channel("runningVar", 1.0)
+        invstd = 1.0 / (var + float(a["eps"])).sqrt()
+        scale = (invstd * per_channel("weight", 1.0)).reshape(1, c, 1)
+        y = (xt - mean.reshape(1, c, 1)) * scale + per_channel("bias", 0.0).reshape(1, c, 1)
+        self._store(a["output"], y.reshape(moved.shape).movedim(1, axis))
+        if not training:
+            return
+        self._store(a["saveMean"], mean)
+        self._store(a["saveInvstd"], invstd)
+        momentum = float(a["momentum"])
+        for name, value in (("runningMean", mean), ("runningVar", var * count / (count - 1))):  # unbiased
+            if a[name] is not None:  # in place: the array holds the current values
+                self._store(a[name], (1 - momentum) * self._w(a[name]) + momentum * value)

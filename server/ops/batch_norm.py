@@ -40,7 +40,7 @@ from ..registry import Operator, Plan, plan_from
 from .batch_norm_backward import channel_axis, check_channel_last_rank
 from .batch_norm_elemt import normalize
 from .batch_norm_stats import channel_statistics
-from .rows import NUMPY_BUFFER, Tiles, tile_shape
+from .rows import NUMPY_BUFFER, Tiles, squares_out_of_range, tile_shape
 
 PER_CHANNEL = ("weight", "bias", "runningMean", "runningVar")
 INPUTS = ("input", *PER_CHANNEL)
@@ -142,31 +142,32 @@ def compute(
     *,
     channel_axis: int | None,
     placeholders: dict,
-) -> None:
-    """runningMean/runningVar hold their current values; in training they are updated in place."""
+) -> bool:
+    """runningMean/runningVar hold their current values; in training they are updated in place.
+    Returns `out_of_range`."""
     del placeholders  # descriptors for the NPU only
     if input.size == 0:
         if saveMean is not None:
             saveMean[...] = 0
         if saveInvstd is not None:
             saveInvstd[...] = np.nan
-        return
+        return False
     x = Tiles(input, channel_axis)
     n_l, n_c, n_t = x.shape
-    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
-        if training:
-            mean, var = channel_statistics(x)
-        else:  # CANN's defaults when null: mean 0, variance 1
-            mean = np.zeros(n_c) if runningMean is None else runningMean.reshape(-1).astype(np.float64)
-            var = np.ones(n_c) if runningVar is None else runningVar.reshape(-1).astype(np.float64)
-        invstd = 1.0 / np.sqrt(var + eps)
-        if training:
-            saveMean[...] = mean
-            saveInvstd[...] = invstd
-            update_running(runningMean, runningVar, mean, var, n_l * n_t, momentum)
-        w = np.ones(n_c) if weight is None else weight.reshape(-1).astype(np.float64)
-        b = np.zeros(n_c) if bias is None else bias.reshape(-1).astype(np.float64)
-        normalize(x, output, mean, invstd * w, b)
+    if training:
+        mean, var = channel_statistics(x)
+    else:  # CANN's defaults when null: mean 0, variance 1
+        mean = np.zeros(n_c) if runningMean is None else runningMean.reshape(-1).astype(np.float64)
+        var = np.ones(n_c) if runningVar is None else runningVar.reshape(-1).astype(np.float64)
+    invstd = 1.0 / np.sqrt(var + eps)
+    if training:
+        saveMean[...] = mean
+        saveInvstd[...] = invstd
+        update_running(runningMean, runningVar, mean, var, n_l * n_t, momentum)
+    w = np.ones(n_c) if weight is None else weight.reshape(-1).astype(np.float64)
+    b = np.zeros(n_c) if bias is None else bias.reshape(-1).astype(np.float64)
+    trouble = normalize(x, output, mean, invstd * w, b)
+    return trouble or (training and squares_out_of_range(var + eps))
 
 
 def update_running(running_mean, running_var, mean, var, n: int, momentum: float) -> None:

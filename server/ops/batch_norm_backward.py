@@ -39,10 +39,12 @@ from .rows import (
     channel_chunks,
     column_sums,
     in_order,
+    out_of_range,
     store,
     tile_shape,
     tile_view,
     widened,
+    work_dtype,
     workers_for,
 )
 
@@ -142,7 +144,7 @@ def validate(p: CallParams) -> Plan:
 
 
 def per_channel(t: np.ndarray | None, c: int, default: float) -> np.ndarray:
-    return np.full(c, default, np.float32) if t is None else widened(t.reshape(-1))
+    return np.full(c, default, work_dtype()) if t is None else widened(t.reshape(-1))
 
 
 def channel_sums(tile: np.ndarray) -> np.ndarray:
@@ -191,12 +193,13 @@ class ChannelPasses:
         n_c = x.shape[1]
         self.n = x.shape[0] * x.shape[2]
         self.sum_g, self.sum_gxc = np.zeros(n_c), np.zeros(n_c)  # x̂ = (x − μ)·s
-        self.mean_g, self.slope = np.empty(n_c, np.float32), np.empty(n_c, np.float32)
+        self.mean_g, self.slope = np.empty(n_c, work_dtype()), np.empty(n_c, work_dtype())
+        self.trouble = False  # a gradInput tile was `out_of_range`
 
     def run(self) -> None:
         chunks = list(channel_chunks(self.x.shape))
         workers = workers_for(parallel_items(chunks))
-        scratch = np.empty((workers, 3, math.prod(tile_shape(self.x.shape))), np.float32)  # g, x − μ, product
+        scratch = np.empty((workers, 3, math.prod(tile_shape(self.x.shape))), work_dtype())  # g, x − μ, product
         if whole_channels(chunks):
             for _ in in_order(self.whole_chunk, chunks, scratch):
                 pass
@@ -249,6 +252,8 @@ class ChannelPasses:
             gb -= self.mean_g[cs, None]
             gb -= xc
         gb *= self.scale[cs, None]
+        if out_of_range(gb):
+            self.trouble = True
         store(self.out[tile], gb, product)
 
 
@@ -268,8 +273,9 @@ def compute(
     gradBias,
     *,
     channel_axis: int,
-) -> None:
-    """ChannelPasses in fp32 on the per-channel statistics of the mode (saved, or running)."""
+) -> bool:
+    """ChannelPasses in the block dtype on the per-channel statistics of the mode (saved, or running);
+    returns `out_of_range`. s multiplies the sums, as in PyTorch's kernel: gradWeight = s·Σg·(x − μ)."""
     del outputMask  # it gated the outputs
     g, x = Tiles(gradOut, channel_axis), Tiles(input, channel_axis)
     n_c = x.shape[1]
@@ -279,17 +285,20 @@ def compute(
     else:
         mu = per_channel(runningMean, n_c, 0.0)
         var = np.ones(n_c) if runningVar is None else runningVar.reshape(-1).astype(np.float64)
-        with np.errstate(invalid="ignore", divide="ignore"):
-            s = (1.0 / np.sqrt(var + eps)).astype(np.float32)
+        s = (1.0 / np.sqrt(var + eps)).astype(work_dtype())
     need_sums = gradWeight is not None or gradBias is not None or (training and gradInput is not None)
     out = None if gradInput is None else gradInput.reshape(x.shape)
     passes = ChannelPasses(g, x, mu, s, w * s, training, out, need_sums)
-    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
-        passes.run()
+    passes.run()
+    # An empty batch: zeros (not 0·s, which an infinite s would make NaN).
+    grad_weight = passes.sum_gxc * s if passes.n else np.zeros(n_c)
     if gradWeight is not None:
-        gradWeight[...] = passes.sum_gxc * s
+        gradWeight[...] = grad_weight
     if gradBias is not None:
         gradBias[...] = passes.sum_g
+    return passes.trouble or out_of_range(
+        grad_weight if gradWeight is not None else None, passes.sum_g if gradBias is not None else None
+    )
 
 
 OPERATOR = Operator("aclnnBatchNormBackward", SIGNATURE, validate, workspace_size, compute)

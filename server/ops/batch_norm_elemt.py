@@ -27,7 +27,7 @@ from ..params import (
     tensor,
 )
 from ..registry import Operator, Plan, plan_from
-from .rows import Tiles, store, tile_shape, tiles, widened
+from .rows import Tiles, out_of_range, store, tile_shape, tiles, widened, work_dtype
 
 PER_CHANNEL = ("weight", "bias", "mean", "invstd")
 SIGNATURE = Signature(
@@ -70,39 +70,44 @@ def workspace_size(plan: Plan) -> int:
     return (2 * 4 * math.prod(tile_shape(shape)) if x.numel else 0) + (6 * 8 + 3 * 4) * shape[1]
 
 
-def compute(input, weight, bias, mean, invstd, eps, output) -> None:
+def compute(input, weight, bias, mean, invstd, eps, output) -> bool:
     del eps  # CANN adds it back to the variance it derived from invstd: invstd is the factor
     if input.size == 0:
-        return
+        return False
     x = Tiles(input, 1)
     n_c = x.shape[1]
 
     def vec(t: np.ndarray | None, default: float) -> np.ndarray:
         return np.full(n_c, default) if t is None else t.reshape(-1).astype(np.float64)
 
-    with np.errstate(invalid="ignore", over="ignore"):
-        normalize(x, output, vec(mean, 0.0), vec(invstd, 1.0) * vec(weight, 1.0), vec(bias, 0.0))
+    return normalize(x, output, vec(mean, 0.0), vec(invstd, 1.0) * vec(weight, 1.0), vec(bias, 0.0))
 
 
-def normalize(x: Tiles, output: np.ndarray, mean: np.ndarray, scale: np.ndarray, bias: np.ndarray) -> None:
+def normalize(x: Tiles, output: np.ndarray, mean: np.ndarray, scale: np.ndarray, bias: np.ndarray) -> bool:
     """output = (x − mean[c])·scale[c] + bias[c] over the tiles of the [L, C, T] view `x` (also
-    aclnnBatchNorm's): the per-channel vectors rounded to fp32 once, the elements in fp32.
-    `output` is C-ordered (the engine's result array), so it reshapes to x's view.
+    aclnnBatchNorm's): the per-channel vectors rounded to the block dtype once, the elements in it.
+    `output` is C-ordered (the engine's result array), so it reshapes to x's view. Returns
+    `out_of_range`.
 
     x − μ is exact in fp32 for x near μ = fp32(mean); what rounding took from an fp64 mean moves
-    into the bias, (mean − μ)·scale, so data far from zero with a small spread keep their accuracy."""
-    mu = mean.astype(np.float32)
-    s = scale.astype(np.float32)
-    lost = mean - mu
-    b = (bias - np.where(lost != 0, lost * scale, 0)).astype(np.float32)  # not 0·inf: an infinite scale stays
+    into the bias, (mean − μ)·scale, so data far from zero with a small spread keep their accuracy.
+    An infinite mean loses nothing to rounding: x − mean is IEEE's."""
+    work = work_dtype()
+    mu = mean.astype(work)
+    s = scale.astype(work)
+    lost = np.where(np.isfinite(mean), mean - mu, 0)
+    b = (bias - np.where(lost != 0, lost * scale, 0)).astype(work)  # not 0·inf: an infinite scale stays
     out = output.reshape(x.shape)
+    trouble = False
     for tile in tiles(x.shape):
         cs = tile[1]
         xb = widened(x[tile])
         xb -= mu[cs, None]
         xb *= s[cs, None]
         xb += b[cs, None]
+        trouble = trouble or out_of_range(xb)
         store(out[tile], xb)
+    return trouble
 
 
 OPERATOR = Operator("aclnnBatchNormElemt", SIGNATURE, validate, workspace_size, compute)

@@ -25,7 +25,7 @@ from ..params import (
     tensor,
 )
 from ..registry import Operator, Plan, plan_from
-from .rows import Tiles, store, tile_shape, tiles, widened
+from .rows import Tiles, out_of_range, store, tile_shape, tiles, widened, work_dtype
 
 REQUIRED = ("gradOut", "input", "mean", "invstd", "sumDy", "sumDyXmu", "counter", "gradInput")
 INPUTS = ("gradOut", "input", "mean", "invstd", "weight", "sumDy", "sumDyXmu", "counter")
@@ -80,9 +80,11 @@ def counter_total(counter: np.ndarray) -> float:
     return float(counter.sum(dtype=np.float64))
 
 
-def compute(gradOut, input, mean, invstd, weight, sumDy, sumDyXmu, counter, gradInput) -> None:
+def compute(gradOut, input, mean, invstd, weight, sumDy, sumDyXmu, counter, gradInput) -> bool:
+    """Per-channel coefficients in fp64 rounded to the block dtype once; returns `out_of_range`."""
     g, x = Tiles(gradOut, 1), Tiles(input, 1)
     n_c = x.shape[1]
+    work = work_dtype()
 
     def vec(t: np.ndarray) -> np.ndarray:
         return t.reshape(-1).astype(np.float64)
@@ -90,22 +92,24 @@ def compute(gradOut, input, mean, invstd, weight, sumDy, sumDyXmu, counter, grad
     total = counter_total(counter)
     inv = vec(invstd)
     w = np.ones(n_c) if weight is None else vec(weight)
-    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
-        shift = (vec(sumDy) / total).astype(np.float32)  # sumDy/total
-        slope = (inv * inv * vec(sumDyXmu) / total).astype(np.float32)  # invstd²·sumDyXmu/total
-        scale = (inv * w).astype(np.float32)
-        mu = vec(mean).astype(np.float32)
-        out = gradInput.reshape(x.shape)
-        for tile in tiles(x.shape):
-            cs = tile[1]
-            gb = widened(g[tile])
-            xb = widened(x[tile])
-            xb -= mu[cs, None]
-            xb *= slope[cs, None]
-            gb -= shift[cs, None]
-            gb -= xb
-            gb *= scale[cs, None]
-            store(out[tile], gb)
+    shift = (vec(sumDy) / total).astype(work)  # sumDy/total
+    slope = (inv * inv * vec(sumDyXmu) / total).astype(work)  # invstd²·sumDyXmu/total
+    scale = (inv * w).astype(work)
+    mu = vec(mean).astype(work)
+    out = gradInput.reshape(x.shape)
+    trouble = False
+    for tile in tiles(x.shape):
+        cs = tile[1]
+        gb = widened(g[tile])
+        xb = widened(x[tile])
+        xb -= mu[cs, None]
+        xb *= slope[cs, None]
+        gb -= shift[cs, None]
+        gb -= xb
+        gb *= scale[cs, None]
+        trouble = trouble or out_of_range(gb)
+        store(out[tile], gb)
+    return trouble
 
 
 OPERATOR = Operator("aclnnBatchNormElemtBackward", SIGNATURE, validate, workspace_size, compute)

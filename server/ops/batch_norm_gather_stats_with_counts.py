@@ -93,21 +93,22 @@ def gather(mean: np.ndarray, invstd: np.ndarray, counts: np.ndarray, eps: float)
     return mean_all, var, n
 
 
-def compute(input, mean, invstd, runningMean, runningVar, momentum, eps, counts, meanAll, invstdAll) -> None:
-    """runningMean/runningVar hold their current values and are updated in place."""
+def compute(input, mean, invstd, runningMean, runningVar, momentum, eps, counts, meanAll, invstdAll) -> bool:
+    """runningMean/runningVar hold their current values and are updated in place. In fp64 whole:
+    never `out_of_range`."""
     del input  # its channel count and dtype were validated
     if mean.size == 0:
         meanAll[...] = 0
         invstdAll[...] = np.nan
-        return
-    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
-        mean_all, var, n = gather(mean, invstd, counts, eps)
-        meanAll[...] = mean_all
-        invstdAll[...] = 1.0 / np.sqrt(var + eps)
-        if runningMean is not None:
-            runningMean[...] = (1 - momentum) * runningMean.astype(np.float64) + momentum * mean_all
-        if runningVar is not None:
-            runningVar[...] = (1 - momentum) * runningVar.astype(np.float64) + momentum * var * n / (n - 1)
+        return False
+    mean_all, var, n = gather(mean, invstd, counts, eps)
+    meanAll[...] = mean_all
+    invstdAll[...] = 1.0 / np.sqrt(var + eps)
+    if runningMean is not None:
+        runningMean[...] = (1 - momentum) * runningMean.astype(np.float64) + momentum * mean_all
+    if runningVar is not None:
+        runningVar[...] = (1 - momentum) * runningVar.astype(np.float64) + momentum * var * n / (n - 1)
+    return False
 
 
 OPERATOR = Operator("aclnnBatchNormGatherStatsWithCounts", SIGNATURE, validate, workspace_size, compute)

@@ -36,7 +36,7 @@ from ..params import (
 )
 from ..registry import Operator, Plan, plan_from
 from .batch_norm_backward import ChannelPasses, passes_scratch
-from .rows import Tiles, widened
+from .rows import Tiles, out_of_range, widened, work_dtype
 
 REQUIRED = ("gradOut", "input", "mean", "invstd")
 FLAGS = ("inputG", "weightG", "biasG")
@@ -98,29 +98,29 @@ def workspace_size(plan: Plan) -> int:
 
 def compute(
     gradOut, input, mean, invstd, weight, inputG, weightG, biasG, sumDy, sumDyXmu, gradWeight, gradBias
-) -> None:
-    """Disabled outputs arrive as None."""
+) -> bool:
+    """Disabled outputs arrive as None. Returns `out_of_range`."""
     del weight, inputG, weightG, biasG  # weight enters no result; the flags gated the outputs
     if input.size == 0:  # CANN fills the enabled outputs with zeros
         for t in (sumDy, sumDyXmu, gradWeight, gradBias):
             if t is not None:
                 t[...] = 0
-        return
+        return False
     g, x = Tiles(gradOut, 1), Tiles(input, 1)
     n_c = x.shape[1]
-    unit = np.ones(n_c, np.float32)  # ChannelPasses' gradInput factors: unused without gradInput
+    unit = np.ones(n_c, work_dtype())  # ChannelPasses' gradInput factors: unused without gradInput
     passes = ChannelPasses(g, x, widened(mean.reshape(-1)), unit, unit, training=False, out=None, need_sums=True)
-    with np.errstate(invalid="ignore", over="ignore"):
-        passes.run()
-        results = (
-            (sumDy, passes.sum_g),
-            (sumDyXmu, passes.sum_gxc),
-            (gradWeight, passes.sum_gxc * invstd.reshape(-1).astype(np.float64)),
-            (gradBias, passes.sum_g),
-        )
-        for out, value in results:
-            if out is not None:
-                out[...] = value
+    passes.run()
+    results = (
+        (sumDy, passes.sum_g),
+        (sumDyXmu, passes.sum_gxc),
+        (gradWeight, passes.sum_gxc * invstd.reshape(-1).astype(np.float64)),
+        (gradBias, passes.sum_g),
+    )
+    for out, value in results:
+        if out is not None:
+            out[...] = value
+    return out_of_range(*(value for out, value in results if out is not None))
 
 
 OPERATOR = Operator("aclnnBatchNormReduceBackward", SIGNATURE, validate, workspace_size, compute)

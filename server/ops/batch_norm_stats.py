@@ -18,7 +18,7 @@ from aclnn_common.types import DataType
 from ..params import CallParams, Kind, Signature, check, check_float_dtypes, check_plain_formats, output, scalar, tensor
 from ..registry import Operator, Plan, plan_from
 from .batch_norm_backward import channel_sums
-from .rows import Tiles, tile_shape, tiles, widened
+from .rows import Tiles, squares_out_of_range, tile_shape, tiles, widened, work_dtype
 
 SIGNATURE = Signature((tensor("input"), scalar("eps", Kind.DOUBLE), output("mean"), output("invstd")))
 
@@ -56,25 +56,26 @@ def channel_statistics(x: Tiles) -> tuple[np.ndarray, np.ndarray]:
     total, shifted, squares = np.zeros(n_c), np.zeros(n_c), np.zeros(n_c)
     for tile in tiles(x.shape):
         total[tile[1]] += channel_sums(widened(x[tile]))
-    mu = (total / count).astype(np.float32)
+    first = total / count
+    mu = first.astype(work_dtype())
     for tile in tiles(x.shape):
         d = widened(x[tile])
         d -= mu[tile[1], None]
         shifted[tile[1]] += channel_sums(d)
         squares[tile[1]] += channel_sums(np.square(d, out=d))
     offset = shifted / count
-    return mu + offset, squares / count - offset * offset
+    return np.where(np.isfinite(mu), mu + offset, first), np.maximum(squares / count - offset * offset, 0)
 
 
-def compute(input, eps, mean, invstd) -> None:
+def compute(input, eps, mean, invstd) -> bool:
     if input.size == 0:
         mean[...] = 0
         invstd[...] = np.nan
-        return
-    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
-        mu, var = channel_statistics(Tiles(input, 1))
-        mean[...] = mu
-        invstd[...] = 1.0 / np.sqrt(var + eps)
+        return False
+    mu, var = channel_statistics(Tiles(input, 1))
+    mean[...] = mu
+    invstd[...] = 1.0 / np.sqrt(var + eps)
+    return squares_out_of_range(var + eps)
 
 
 OPERATOR = Operator("aclnnBatchNormStats", SIGNATURE, validate, workspace_size, compute)

@@ -31,7 +31,8 @@ from ..params import (
     tensor,
 )
 from ..registry import Operator, Plan, plan_from
-from .rows import Rows, block_rows, blocks, store, widened
+from .layer_norm import normalize_last_axis
+from .rows import Rows, block_rows, blocks, out_of_range, store, widened, work_dtype
 
 SIZES = ("N", "C", "HxW", "group")
 SIGNATURE = Signature(
@@ -111,37 +112,36 @@ def workspace_size(plan: Plan) -> int:
     return 2 * 4 * rows * row + 2 * 4 * x.shape[1] + 3 * 8 * rows * plan.values["group"]
 
 
-def compute(self, gamma, beta, N, C, HxW, group, eps, out, meanOut, rstdOut) -> None:
-    """Blocks of whole samples, each seen as [samples, group, C/group·HxW] in fp32; statistics in fp64."""
+def compute(self, gamma, beta, N, C, HxW, group, eps, out, meanOut, rstdOut) -> bool:
+    """Blocks of whole samples, each seen as [samples, group, C/group·HxW] (`normalize_last_axis`);
+    returns `out_of_range`."""
     if self.size == 0:
         meanOut[...] = 0
         rstdOut[...] = np.nan
-        return
+        return False
     x = Rows(self, 1)
     row = x.n
     d = row // group
     g = None if gamma is None else widened(gamma.reshape(-1))[:, None]
     b = None if beta is None else widened(beta.reshape(-1))[:, None]
     y, mean_out, rstd_out = out.reshape(N, row), meanOut.reshape(N, group), rstdOut.reshape(N, group)
-    buffers = np.empty((2, min(N, block_rows(row)) * row), np.float32)
-    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
-        for rows in blocks(N, row):
-            count = rows.stop - rows.start
-            xb, scratch = (buf[: count * row].reshape(count, group, d) for buf in buffers)
-            widened(x[rows].reshape(count, group, d), xb)
-            mu = xb.sum(axis=2, dtype=np.float64) / d
-            xb -= mu.astype(np.float32)[:, :, None]
-            var = np.square(xb, out=scratch).sum(axis=2, dtype=np.float64) / d
-            rs = 1.0 / np.sqrt(var + eps)
-            xb *= rs.astype(np.float32)[:, :, None]
-            channels = xb.reshape(count, C, HxW)
-            if g is not None:
-                channels *= g
-            if b is not None:
-                channels += b
-            store(y[rows], xb.reshape(count, row), scratch.reshape(count, row))
-            mean_out[rows] = mu
-            rstd_out[rows] = rs
+    buffers = np.empty((2, min(N, block_rows(row)) * row), work_dtype())
+    trouble = False
+    for rows in blocks(N, row):
+        count = rows.stop - rows.start
+        xb, scratch = (buf[: count * row].reshape(count, group, d) for buf in buffers)
+        widened(x[rows].reshape(count, group, d), xb)
+        mu, rs, squares_trouble = normalize_last_axis(xb, scratch, eps)
+        channels = xb.reshape(count, C, HxW)
+        if g is not None:
+            channels *= g
+        if b is not None:
+            channels += b
+        trouble = trouble or squares_trouble or out_of_range(xb)
+        store(y[rows], xb.reshape(count, row), scratch.reshape(count, row))
+        mean_out[rows] = mu
+        rstd_out[rows] = rs
+    return trouble
 
 
 OPERATOR = Operator("aclnnGroupNorm", SIGNATURE, validate, workspace_size, compute)

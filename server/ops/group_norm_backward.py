@@ -32,7 +32,7 @@ from ..params import (
 )
 from ..registry import Operator, Plan, plan_from
 from .group_norm import SIZES, check_sizes
-from .rows import Rows, block_rows, blocks, column_sums, store, widened
+from .rows import Rows, block_rows, blocks, column_sums, out_of_range, store, widened, work_dtype
 
 INPUTS = ("gradOut", "input", "mean", "rstd", "gamma")
 SIGNATURE = Signature(
@@ -125,43 +125,49 @@ def sample_rows(a: np.ndarray, n: int) -> Rows:
 
 def compute(
     gradOut, input, mean, rstd, gamma, N, C, HxW, group, outputMask, gradInput, gradGammaOut, gradBetaOut
-) -> None:
-    """Blocks of whole samples in fp32, seen as [samples, group, D]; per-channel sums in fp64."""
+) -> bool:
+    """Blocks of whole samples in the block dtype, seen as [samples, group, D]; per-channel sums in
+    fp64. Returns `out_of_range`."""
     del outputMask  # it gated the outputs
     row = C * HxW
     d = row // group if group else 0
     sum_g, sum_gx = np.zeros(C), np.zeros(C)
+    trouble = False
     if N * row:
+        work = work_dtype()
         g, x = sample_rows(gradOut, N), sample_rows(input, N)
         mu, rs = widened(mean.reshape(-1)).reshape(N, group), widened(rstd.reshape(-1)).reshape(N, group)
-        w = np.ones((C, 1), np.float32) if gamma is None else widened(gamma.reshape(-1))[:, None]
+        w = np.ones((C, 1), work) if gamma is None else widened(gamma.reshape(-1))[:, None]
         dx = None if gradInput is None else gradInput.reshape(N, row)
-        buffers = np.empty((3, min(N, block_rows(row)) * row), np.float32)
-        with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
-            for rows in blocks(N, row):
-                count = rows.stop - rows.start
-                gb, xhat, product = (buf[: count * row].reshape(count, group, d) for buf in buffers)
-                widened(g[rows].reshape(count, group, d), gb)
-                widened(x[rows].reshape(count, group, d), xhat)
-                xhat -= mu[rows, :, None]
-                xhat *= rs[rows, :, None]
-                np.multiply(gb, xhat, out=product)
-                sum_g += column_sums(gb.reshape(count, C, HxW).sum(axis=2))
-                sum_gx += column_sums(product.reshape(count, C, HxW).sum(axis=2))
-                if dx is None:
-                    continue
-                gb.reshape(count, C, HxW)[...] *= w  # gw
-                mean_gw = gb.sum(axis=2, dtype=np.float64) / d
-                mean_gwx = np.multiply(gb, xhat, out=product).sum(axis=2, dtype=np.float64) / d
-                xhat *= mean_gwx.astype(np.float32)[:, :, None]
-                gb -= mean_gw.astype(np.float32)[:, :, None]
-                gb -= xhat
-                gb *= rs[rows, :, None]
-                store(dx[rows], gb.reshape(count, row), product.reshape(count, row))
+        buffers = np.empty((3, min(N, block_rows(row)) * row), work)
+        for rows in blocks(N, row):
+            count = rows.stop - rows.start
+            gb, xhat, product = (buf[: count * row].reshape(count, group, d) for buf in buffers)
+            widened(g[rows].reshape(count, group, d), gb)
+            widened(x[rows].reshape(count, group, d), xhat)
+            xhat -= mu[rows, :, None]
+            xhat *= rs[rows, :, None]
+            np.multiply(gb, xhat, out=product)
+            sum_g += column_sums(gb.reshape(count, C, HxW).sum(axis=2))
+            sum_gx += column_sums(product.reshape(count, C, HxW).sum(axis=2))
+            if dx is None:
+                continue
+            gb.reshape(count, C, HxW)[...] *= w  # gw
+            mean_gw = gb.sum(axis=2, dtype=np.float64) / d
+            mean_gwx = np.multiply(gb, xhat, out=product).sum(axis=2, dtype=np.float64) / d
+            xhat *= mean_gwx.astype(work)[:, :, None]
+            gb -= mean_gw.astype(work)[:, :, None]
+            gb -= xhat
+            gb *= rs[rows, :, None]
+            trouble = trouble or out_of_range(gb)
+            store(dx[rows], gb.reshape(count, row), product.reshape(count, row))
     if gradGammaOut is not None:
         gradGammaOut.reshape(-1)[:] = sum_gx
     if gradBetaOut is not None:
         gradBetaOut.reshape(-1)[:] = sum_g
+    return trouble or out_of_range(
+        sum_gx if gradGammaOut is not None else None, sum_g if gradBetaOut is not None else None
+    )
 
 
 OPERATOR = Operator("aclnnGroupNormBackward", SIGNATURE, validate, workspace_size, compute)

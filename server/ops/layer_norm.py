@@ -30,7 +30,7 @@ from ..params import (
     tensor,
 )
 from ..registry import Operator, Plan, plan_from
-from .rows import Rows, block_rows, blocks, store, widened
+from .rows import Rows, block_rows, blocks, out_of_range, squares_out_of_range, store, widened, work_dtype
 
 INPUTS = ("input", "weightOptional", "biasOptional")
 OUTPUTS = ("out", "meanOutOptional", "rstdOutOptional")
@@ -117,45 +117,71 @@ def workspace_size(plan: Plan) -> int:
     return 2 * 4 * rows * n + 2 * 4 * n + 3 * 8 * rows
 
 
-def compute(input, normalizedShape, weightOptional, biasOptional, eps, out, meanOutOptional, rstdOutOptional) -> None:
-    """Row blocks of [M, N]: fp32 sums (pairwise within a row), statistics in fp64, y in fp32."""
+def compute(input, normalizedShape, weightOptional, biasOptional, eps, out, meanOutOptional, rstdOutOptional) -> bool:
+    """Row blocks of [M, N] in the block dtype (`normalize_last_axis`); returns `out_of_range`."""
     lead = input.ndim - len(normalizedShape)
     x = Rows(input, lead)
     m, n = x.m, x.n
     mean_out = None if meanOutOptional is None else meanOutOptional.reshape(-1)
     rstd_out = None if rstdOutOptional is None else rstdOutOptional.reshape(-1)
     if m == 0:
-        return
+        return False
     if n == 0:  # CANN: mean 0, rstd NaN
         if mean_out is not None:
             mean_out[...] = 0
         if rstd_out is not None:
             rstd_out[...] = np.nan
-        return
+        return False
     w = None if weightOptional is None else widened(weightOptional.reshape(-1))
     b = None if biasOptional is None else widened(biasOptional.reshape(-1))
     y = out.reshape(m, n)
     rows_per_block = min(m, block_rows(n))
-    buffers = np.empty((2, rows_per_block * n), np.float32)
-    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
-        for rows in blocks(m, n):
-            count = rows.stop - rows.start
-            xb, scratch = (buf[: count * n].reshape(count, n) for buf in buffers)
-            widened(x[rows], xb)
-            mu = xb.sum(axis=1, dtype=np.float64) / n
-            xb -= mu.astype(np.float32)[:, None]
-            var = np.square(xb, out=scratch).sum(axis=1, dtype=np.float64) / n
-            rs = 1.0 / np.sqrt(var + eps)
-            xb *= rs.astype(np.float32)[:, None]
-            if w is not None:
-                xb *= w
-            if b is not None:
-                xb += b
-            store(y[rows], xb, scratch)
-            if mean_out is not None:
-                mean_out[rows] = mu
-            if rstd_out is not None:
-                rstd_out[rows] = rs
+    buffers = np.empty((2, rows_per_block * n), work_dtype())
+    trouble = False
+    for rows in blocks(m, n):
+        count = rows.stop - rows.start
+        xb, scratch = (buf[: count * n].reshape(count, n) for buf in buffers)
+        widened(x[rows], xb)
+        mu, rs, squares_trouble = normalize_last_axis(xb, scratch, eps)
+        if w is not None:
+            xb *= w
+        if b is not None:
+            xb += b
+        trouble = trouble or squares_trouble or out_of_range(xb)
+        store(y[rows], xb, scratch)
+        if mean_out is not None:
+            mean_out[rows] = mu
+        if rstd_out is not None:
+            rstd_out[rows] = rs
+    return trouble
+
+
+# What rounding took from the mean moves x̂ by less than this: left out (x̂'s own rounding is larger).
+NEGLIGIBLE_SHIFT = 2.0**-30
+
+
+def normalize_last_axis(xb: np.ndarray, scratch: np.ndarray, eps: float) -> tuple[np.ndarray, np.ndarray, bool]:
+    """x̂ = (x − mean)·rstd along the last axis of a block, in place (also GroupNorm's); returns the
+    mean and rstd (fp64, population variance) and whether the squares left fp32's safe range
+    (`squares_out_of_range`). `scratch`: a block like `xb`.
+
+    The mean is summed in fp64 and rounded to the block dtype, μ; x − μ is exact near the mean, and
+    what the rounding took from it, mean − μ, corrects the variance, Σ(x − μ)²/N − (mean − μ)², and
+    x̂ (as BatchNorm's `normalize` moves it into the bias): data far from zero with a small spread
+    keep their accuracy.
+    """
+    n = xb.shape[-1]
+    mean = xb.sum(axis=-1, dtype=np.float64) / n
+    mu = mean.astype(xb.dtype)
+    lost = mean - mu
+    xb -= mu[..., None]
+    var = np.maximum(np.square(xb, out=scratch).sum(axis=-1, dtype=np.float64) / n - lost * lost, 0)
+    rs = 1.0 / np.sqrt(var + eps)
+    xb *= rs.astype(xb.dtype)[..., None]
+    shift = lost * rs
+    if (np.abs(shift) > NEGLIGIBLE_SHIFT).any():
+        xb -= shift.astype(xb.dtype)[..., None]
+    return mean, rs, squares_out_of_range(var + eps)
 
 
 OPERATOR = Operator("aclnnLayerNorm", SIGNATURE, validate, workspace_size, compute)

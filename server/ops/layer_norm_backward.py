@@ -22,7 +22,19 @@ from ..params import (
     tensor,
 )
 from ..registry import Operator, Plan, plan_from
-from .rows import NUMPY_BUFFER, Rows, block_rows, blocks, column_sums, in_order, store, widened, workers_for
+from .rows import (
+    NUMPY_BUFFER,
+    Rows,
+    block_rows,
+    blocks,
+    column_sums,
+    in_order,
+    out_of_range,
+    store,
+    widened,
+    work_dtype,
+    workers_for,
+)
 
 INPUTS = ("gradOut", "input", "mean", "rstd", "weightOptional", "biasOptional")
 SIGNATURE = Signature(
@@ -109,18 +121,19 @@ def workspace_size(plan: Plan) -> int:
 
 def layer_norm_rows(
     g: Rows, x: Rows, mean: np.ndarray, rstd: np.ndarray, w: np.ndarray, dx: np.ndarray | None, want_sums: bool
-) -> np.ndarray | None:
+) -> tuple[np.ndarray | None, bool]:
     """The LayerNorm backward over [M, N] rows in bounded blocks; weight rows repeat every K rows.
 
     `w` is fp32 [K, N] (row i is scaled by w[i % K]: K = 1 for aclnnLayerNormBackward, more when
     LayerNormGrad's gamma spans several rows); `mean` and `rstd` are fp32 [M]. Writes `dx` (an
     [M, N] view) when given. Returns fp64 [2, K, N], Σ g and Σ g·x̂ over the rows i of each
-    i % K, when `want_sums`. Blocks are whole periods of K rows (or lie inside one), seen as
-    [periods, span, N] so that w broadcasts.
+    i % K, when `want_sums` (else None), and whether a result was `out_of_range`. Blocks are
+    whole periods of K rows (or lie inside one), seen as [periods, span, N] so that w broadcasts.
     """
     k, n = w.shape
     row_blocks = list(blocks(x.m, n, k)) if n else []
-    scratch = np.empty((workers_for(len(row_blocks)), 3, min(x.m, block_rows(n)) * n), np.float32)
+    scratch = np.empty((workers_for(len(row_blocks)), 3, min(x.m, block_rows(n)) * n), work_dtype())
+    trouble = []  # a gradInput block was `out_of_range`
 
     def block(rows: slice, buffers: np.ndarray) -> tuple[slice, np.ndarray | None]:
         span = min(rows.stop - rows.start, k)
@@ -137,12 +150,15 @@ def layer_norm_rows(
             partial = np.stack((column_sums(gb), column_sums(np.multiply(gb, xhat, out=product))))
         if dx is not None:
             gb *= w[first : first + span]  # g·w
-            mean_gw = gb.mean(axis=2, keepdims=True)
+            # In fp64, so that a constant g·w (x̂ = 0: gradInput exactly 0) is its own mean.
+            mean_gw = (gb.sum(axis=2, keepdims=True, dtype=np.float64) / n).astype(gb.dtype)
             np.multiply(gb, xhat, out=product)
             xhat *= product.mean(axis=2, keepdims=True)
             gb -= mean_gw
             gb -= xhat
             gb *= rs
+            if out_of_range(gb):
+                trouble.append(rows)
             store(dx[rows], gb.reshape(-1, n), product.reshape(-1, n))
         return slice(first, first + span), partial
 
@@ -150,7 +166,7 @@ def layer_norm_rows(
     for weight_rows, partial in in_order(block, row_blocks, scratch):
         if sums is not None:
             sums[:, weight_rows] += partial  # in block order: the same sums on any thread count
-    return sums
+    return sums, bool(trouble) or out_of_range(sums)
 
 
 def compute(
@@ -165,20 +181,23 @@ def compute(
     gradInputOut,
     gradWeightOut,
     gradBiasOut,
-) -> None:
-    """Row blocks of [M, N] in fp32; column sums accumulate in fp64 across blocks."""
+) -> bool:
+    """Row blocks of [M, N] in the block dtype; column sums accumulate in fp64 across blocks.
+    Returns `out_of_range`."""
     del biasOptional, outputMask  # bias does not enter the gradient; the mask gated the outputs
     lead = input.ndim - len(normalizedShape)
     x, g = Rows(input, lead), Rows(gradOut, lead)
     n = x.n
-    w = np.ones(n, np.float32) if weightOptional is None else widened(weightOptional.reshape(-1))
+    w = np.ones(n, work_dtype()) if weightOptional is None else widened(weightOptional.reshape(-1))
     dx = gradInputOut.reshape(x.m, n) if gradInputOut is not None else None
     want_sums = gradWeightOut is not None or gradBiasOut is not None
-    sums = layer_norm_rows(g, x, widened(mean.reshape(-1)), widened(rstd.reshape(-1)), w[None], dx, want_sums)
+    mean, rstd = widened(mean.reshape(-1)), widened(rstd.reshape(-1))
+    sums, trouble = layer_norm_rows(g, x, mean, rstd, w[None], dx, want_sums)
     if gradWeightOut is not None:
         gradWeightOut.reshape(-1)[:] = sums[1, 0]
     if gradBiasOut is not None:
         gradBiasOut.reshape(-1)[:] = sums[0, 0]
+    return trouble
 
 
 OPERATOR = Operator("aclnnLayerNormBackward", SIGNATURE, validate, workspace_size, compute)

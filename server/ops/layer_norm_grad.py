@@ -113,28 +113,31 @@ def workspace_size(plan: Plan) -> int:
     return block_scratch(m, n, gamma_rows(n, gamma.numel)) + 4 * m + 4 * gamma.numel if m * n else 0
 
 
-def compute(dy, x, variance, mean, gamma, output_mask, pd_x, pd_gamma, pd_beta) -> None:
-    """LayerNormBackward's row blocks, with rstd from variance and gamma tiled to whole rows."""
+def compute(dy, x, variance, mean, gamma, output_mask, pd_x, pd_gamma, pd_beta) -> bool:
+    """LayerNormBackward's row blocks, with rstd from variance and gamma tiled to whole rows.
+    Returns `out_of_range`."""
     del output_mask  # it gated the outputs
     b = normalization_start(x.shape, mean.shape)
     rows_x, rows_dy = Rows(x, b), Rows(dy, b)
     m, n = rows_x.m, rows_x.n
+    trouble = False
     if m * n == 0:
         sums = np.zeros((2, gamma.size))
     else:
-        with np.errstate(invalid="ignore", divide="ignore"):
-            rstd = 1.0 / np.sqrt(widened(variance.reshape(-1)) + np.float32(EPSILON))
+        variance = widened(variance.reshape(-1))
+        rstd = 1.0 / np.sqrt(variance + variance.dtype.type(EPSILON))
         # Gamma covers the last normalization axes (tiled along the row) or more (it spans K rows).
         w = np.tile(widened(gamma.reshape(-1)), max(1, n // gamma.size)).reshape(gamma_rows(n, gamma.size), n)
         dx = None if pd_x is None else pd_x.reshape(m, n)
         want_sums = pd_gamma is not None or pd_beta is not None
-        sums = layer_norm_rows(rows_dy, rows_x, widened(mean.reshape(-1)), rstd, w, dx, want_sums)
+        sums, trouble = layer_norm_rows(rows_dy, rows_x, widened(mean.reshape(-1)), rstd, w, dx, want_sums)
         if sums is not None:  # fold them onto gamma's positions, in order
             sums = sums.reshape(2, -1, gamma.size).sum(axis=1)
     if pd_gamma is not None:
         pd_gamma.reshape(-1)[:] = sums[1]
     if pd_beta is not None:
         pd_beta.reshape(-1)[:] = sums[0]
+    return trouble
 
 
 OPERATOR = Operator("LayerNormGrad", SIGNATURE, validate, workspace_size, compute)

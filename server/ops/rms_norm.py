@@ -28,7 +28,7 @@ from ..params import (
     tensor,
 )
 from ..registry import Operator, Plan, plan_from
-from .rows import Rows, block_rows, blocks, store, widened
+from .rows import Rows, block_rows, blocks, out_of_range, squares_out_of_range, store, widened, work_dtype
 
 F32_ONLY = frozenset({DataType.FLOAT})
 SIGNATURE = Signature(
@@ -102,26 +102,28 @@ def workspace_size(plan: Plan) -> int:
     return 2 * 4 * rows * n + 4 * n + 2 * 8 * rows
 
 
-def compute(x, gamma, epsilon, yOut, rstdOut) -> None:
-    """Row blocks of [M, N] in fp32; Σx² per row in fp64."""
+def compute(x, gamma, epsilon, yOut, rstdOut) -> bool:
+    """Row blocks of [M, N] in the block dtype; Σx² per row in fp64. Returns `out_of_range`."""
     rows_x = Rows(x, x.ndim - gamma.ndim)
     m, n = rows_x.m, rows_x.n
     if m == 0:
-        return
+        return False
     g = widened(gamma.reshape(-1))
     y, rstd = yOut.reshape(m, n), rstdOut.reshape(-1)
-    buffers = np.empty((2, min(m, block_rows(n)) * n), np.float32)
-    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
-        for rows in blocks(m, n):
-            count = rows.stop - rows.start
-            xb, scratch = (buf[: count * n].reshape(count, n) for buf in buffers)
-            widened(rows_x[rows], xb)
-            square_mean = np.square(xb, out=scratch).sum(axis=1, dtype=np.float64) / n
-            rs = 1.0 / np.sqrt(square_mean + epsilon)
-            xb *= rs.astype(np.float32)[:, None]
-            xb *= g
-            store(y[rows], xb, scratch)
-            rstd[rows] = rs
+    buffers = np.empty((2, min(m, block_rows(n)) * n), work_dtype())
+    trouble = False
+    for rows in blocks(m, n):
+        count = rows.stop - rows.start
+        xb, scratch = (buf[: count * n].reshape(count, n) for buf in buffers)
+        widened(rows_x[rows], xb)
+        square_mean = np.square(xb, out=scratch).sum(axis=1, dtype=np.float64) / n
+        rs = 1.0 / np.sqrt(square_mean + epsilon)
+        xb *= rs.astype(xb.dtype)[:, None]
+        xb *= g
+        trouble = trouble or squares_out_of_range(square_mean + epsilon) or out_of_range(xb)
+        store(y[rows], xb, scratch)
+        rstd[rows] = rs
+    return trouble
 
 
 OPERATOR = Operator("aclnnRmsNorm", SIGNATURE, validate, workspace_size, compute)

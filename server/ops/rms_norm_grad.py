@@ -26,7 +26,7 @@ from ..params import (
 )
 from ..registry import Operator, Plan, plan_from
 from .rms_norm import F32_ONLY, check_gamma, check_gamma_shape
-from .rows import Rows, block_rows, blocks, column_sums, store, widened
+from .rows import Rows, block_rows, blocks, column_sums, out_of_range, store, widened, work_dtype
 
 INPUTS = ("dy", "x", "rstd", "gamma")
 SIGNATURE = Signature(
@@ -94,32 +94,35 @@ def workspace_size(plan: Plan) -> int:
     return 3 * 4 * rows * n + 4 * n + 8 * n + 4 * m
 
 
-def compute(dy, x, rstd, gamma, dxOut, dgammaOut) -> None:
-    """Row blocks of [M, N] in fp32; dgamma's column sums in fp64 across blocks, in block order."""
+def compute(dy, x, rstd, gamma, dxOut, dgammaOut) -> bool:
+    """Row blocks of [M, N] in the block dtype; dgamma's column sums in fp64 across blocks, in
+    block order. Returns `out_of_range`."""
     lead = x.ndim - gamma.ndim
     rows_x, rows_g = Rows(x, lead), Rows(dy, lead)
     m, n = rows_x.m, rows_x.n
     sums = np.zeros(n)
+    trouble = False
     if m:
         g = widened(gamma.reshape(-1))
         rs = widened(rstd.reshape(-1))
         dx = dxOut.reshape(m, n)
-        buffers = np.empty((3, min(m, block_rows(n)) * n), np.float32)
-        with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
-            for rows in blocks(m, n):
-                count = rows.stop - rows.start
-                gb, xhat, product = (buf[: count * n].reshape(count, n) for buf in buffers)
-                widened(rows_g[rows], gb)
-                widened(rows_x[rows], xhat)
-                xhat *= rs[rows, None]
-                sums += column_sums(np.multiply(gb, xhat, out=product))
-                gb *= g  # dy·gamma
-                coefficient = np.multiply(gb, xhat, out=product).sum(axis=1, dtype=np.float64) / n
-                xhat *= coefficient.astype(np.float32)[:, None]
-                gb -= xhat
-                gb *= rs[rows, None]
-                store(dx[rows], gb, product)
+        buffers = np.empty((3, min(m, block_rows(n)) * n), work_dtype())
+        for rows in blocks(m, n):
+            count = rows.stop - rows.start
+            gb, xhat, product = (buf[: count * n].reshape(count, n) for buf in buffers)
+            widened(rows_g[rows], gb)
+            widened(rows_x[rows], xhat)
+            xhat *= rs[rows, None]
+            sums += column_sums(np.multiply(gb, xhat, out=product))
+            gb *= g  # dy·gamma
+            coefficient = np.multiply(gb, xhat, out=product).sum(axis=1, dtype=np.float64) / n
+            xhat *= coefficient.astype(xhat.dtype)[:, None]
+            gb -= xhat
+            gb *= rs[rows, None]
+            trouble = trouble or out_of_range(gb)
+            store(dx[rows], gb, product)
     dgammaOut.reshape(-1)[:] = sums
+    return trouble or out_of_range(sums)
 
 
 OPERATOR = Operator("aclnnRmsNormGrad", SIGNATURE, validate, workspace_size, compute)

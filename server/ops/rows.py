@@ -1,9 +1,17 @@
 """Blocks and tiles: how the NumPy reference walks [M rows × N] and [L, C, T] problems in bounded
-memory, and how a block is widened to fp32 and stored back in its dtype."""
+memory, and how a block is widened to fp32 and stored back in its dtype.
+
+The reference computes in fp32 blocks (`work_dtype`). A computation whose fp32 intermediates
+left fp32's range (a non-finite value from finite data, or a variance small enough for its
+squares to have underflowed) says so, and its caller repeats it in fp64 (`wide`): fp64 holds the
+square of any fp32 value, so finite inputs then give the true result, rounded once; non-finite
+inputs give what IEEE arithmetic gives on the same formulas in fp64 (`backends.widening`).
+"""
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import contextvars
 import itertools
 import math
@@ -28,6 +36,43 @@ WORKERS = max(1, min(4, len(os.sched_getaffinity(0))))
 
 T = TypeVar("T")
 R = TypeVar("R")
+
+
+# The block dtype: fp32, or fp64 while a computation is repeated `wide` (a context variable, so
+# `in_order`'s worker threads see it).
+_WIDE: contextvars.ContextVar[bool] = contextvars.ContextVar("aclnn_wide", default=False)
+# A variance (or mean square) below this may hold underflowed fp32 squares: the call goes `wide`.
+SMALLEST_SAFE_SQUARE = 2.0**-100
+# A mean square above this may come from fp32 sums of squares near overflow: likewise.
+LARGEST_SAFE_SQUARE = 2.0**120
+
+
+def work_dtype() -> type:
+    return np.float64 if _WIDE.get() else np.float32
+
+
+@contextlib.contextmanager
+def wide() -> Iterator[None]:
+    """Blocks in fp64 (twice the bytes per element, so half the elements per block)."""
+    token = _WIDE.set(True)
+    try:
+        yield
+    finally:
+        _WIDE.reset(token)
+
+
+def out_of_range(*values: np.ndarray | None) -> bool:
+    """Whether an fp32 block or result holds a non-finite value (never, when already `wide`)."""
+    return not _WIDE.get() and any(v is not None and not np.isfinite(v).all() for v in values)
+
+
+def squares_out_of_range(squares: np.ndarray) -> bool:
+    """Whether mean squares (variance + eps, or mean(x²) + eps) lie where fp32 squares could have
+    underflowed or overflowed, or are not finite (never, when already `wide`)."""
+    if _WIDE.get():
+        return False
+    with np.errstate(invalid="ignore"):
+        return not ((squares >= SMALLEST_SAFE_SQUARE) & (squares <= LARGEST_SAFE_SQUARE)).all()
 
 
 def workers_for(items: int) -> int:
@@ -78,9 +123,14 @@ def column_sums(a: np.ndarray) -> np.ndarray:
     return total
 
 
+def block_elements() -> int:
+    """Elements per block: the same bytes whatever the block dtype."""
+    return BLOCK_ELEMENTS // 2 if _WIDE.get() else BLOCK_ELEMENTS
+
+
 def block_rows(n: int) -> int:
     """Rows per block for rows of n elements."""
-    return max(1, BLOCK_ELEMENTS // max(n, 1))
+    return max(1, block_elements() // max(n, 1))
 
 
 def blocks(m: int, n: int, period: int = 1) -> Iterator[slice]:
@@ -117,6 +167,8 @@ class Rows:
     def __getitem__(self, rows: slice) -> np.ndarray:
         if self.merged is not None:
             return self.merged[rows]
+        if not self.lead_shape:  # no leading dims: the whole array is the one row
+            return self.array.reshape(1, self.n)[rows]
         index = np.unravel_index(np.arange(rows.start, rows.stop), self.lead_shape)
         return self.array[index].reshape(-1, self.n)
 
@@ -160,11 +212,12 @@ def tile_shape(shape: tuple[int, int, int]) -> tuple[int, int, int]:
     so that short runs (channel-last: T = 1) are read as whole rows of channels.
     """
     n_l, n_c, n_t = shape
-    t = max(1, min(n_t, BLOCK_ELEMENTS))
-    if n_t >= LONG_RUN and 0 < n_l * t <= BLOCK_ELEMENTS:
-        return n_l, max(1, min(n_c, BLOCK_ELEMENTS // (n_l * t))), t
-    c = max(1, min(n_c, BLOCK_ELEMENTS // t))
-    return max(1, min(n_l, BLOCK_ELEMENTS // (c * t))), c, t
+    most = block_elements()
+    t = max(1, min(n_t, most))
+    if n_t >= LONG_RUN and 0 < n_l * t <= most:
+        return n_l, max(1, min(n_c, most // (n_l * t))), t
+    c = max(1, min(n_c, most // t))
+    return max(1, min(n_l, most // (c * t))), c, t
 
 
 def tiles(shape: tuple[int, int, int]) -> Iterator[tuple[slice, slice, slice]]:
@@ -208,10 +261,10 @@ F32_TO_F16_SCALE = np.float32(2.0**-112)
 
 def widened(a: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """A block as C-ordered fp32 (the same arithmetic whatever the input's strides): in `out`
-    (fp32, C-ordered, a's shape) when given, else in a fresh array."""
+    (fp32, C-ordered, a's shape) when given, else in a fresh array (fp64 when `wide`)."""
     if out is None:
-        out = np.empty(a.shape, np.float32)
-    if a.dtype != np.float16:
+        out = np.empty(a.shape, work_dtype())
+    if a.dtype != np.float16 or out.dtype != np.float32:
         np.copyto(out, a)
         return out
     # fp16 bits moved into fp32 position (sign stays the sign), scaled by the bias difference:
@@ -227,11 +280,12 @@ def widened(a: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
 
 
 def store(out: np.ndarray, values: np.ndarray, scratch: np.ndarray | None = None) -> None:
-    """Writes an fp32 block into `out` in out's dtype, rounded to nearest even; clobbers `values`.
+    """Writes an fp32 (or, `wide`, fp64) block into `out` in out's dtype, rounded to nearest even;
+    clobbers `values`.
 
     fp16 rounding needs a block of scratch: `scratch` (fp32, C-ordered, values' shape) when given.
     """
-    if out.dtype != np.float16:
+    if out.dtype != np.float16 or values.dtype != np.float32:
         out[...] = values
         return
     u = values.view(np.uint32)

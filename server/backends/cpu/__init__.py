@@ -1,7 +1,8 @@
 """The `cpu` backend: multi-threaded Numba kernels, deterministic and bit-reproducible.
 
 One module per operator (`layer_norm_backward`, ...) exposes `handles(plan)`,
-`workspace_size(plan)`, `compute(plan, args)` and `warm_up()`. A call a kernel does not handle
+`workspace_size(plan)`, `compute(plan, args)` (True when fp32 could not hold a result: the call is
+then repeated on the reference in fp64, `backends.widening`) and `warm_up()`. A call a kernel does not handle
 (an operator without a kernel, or a view whose dims do not merge into the kernel's 2-D/3-D
 shape) runs on the operator's NumPy reference instead, logged once per operator and reason.
 
@@ -27,6 +28,7 @@ from typing import Any
 import numba
 
 from ...registry import Operator, Plan
+from ..widening import compute_in_range
 
 log = logging.getLogger("aclnn_server")
 
@@ -158,17 +160,21 @@ class CpuBackend:
     def compute(self, operator: Operator, plan: Plan, args: dict[str, Any]) -> None:
         module = self._kernel(operator, plan)
         if module is None:
-            operator.compute(**args)  # the reference, as NumpyBackend runs it
-        elif sum(t.numel for t in plan.inputs.values()) < SMALL_CALL_ELEMENTS:
-            # Waking the worker threads costs more than a small call; results do not depend on
-            # the thread count, and Numba's setting is per calling thread.
-            threads = numba.get_num_threads()
-            numba.set_num_threads(1)
-            try:
-                with self._serial:
-                    module.compute(plan, args)
-            finally:
-                numba.set_num_threads(threads)
+            compute_in_range(operator, plan, args, lambda: operator.compute(**args))  # the reference
         else:
+            compute_in_range(operator, plan, args, lambda: self._run(module, plan, args))
+
+    def _run(self, module: ModuleType, plan: Plan, args: dict[str, Any]) -> bool:
+        """The kernel module's compute: whether a result left fp32's range."""
+        if sum(t.numel for t in plan.inputs.values()) >= SMALL_CALL_ELEMENTS:
             with self._serial:
-                module.compute(plan, args)
+                return module.compute(plan, args)
+        # Waking the worker threads costs more than a small call; results do not depend on
+        # the thread count, and Numba's setting is per calling thread.
+        threads = numba.get_num_threads()
+        numba.set_num_threads(1)
+        try:
+            with self._serial:
+                return module.compute(plan, args)
+        finally:
+            numba.set_num_threads(threads)

@@ -4,6 +4,9 @@ Each ROW_BLOCK of a row is summed as LANES interleaved fp32 partial sums (lane l
 l, l+LANES, ...: a plain elementwise loop over a small accumulator the compiler vectorizes);
 the lanes are then added in fp64, in lane order, and so are the blocks. The order depends only
 on the row length, never on threads or scheduling.
+
+Kernels also note whether a result they wrote was not finite (`nonfinite`): fp32 may have
+overflowed on finite data, and the host then repeats the call in fp64 (`backends.widening`).
 """
 
 from __future__ import annotations
@@ -17,13 +20,21 @@ LANES = 64  # fp32 accumulators per block: ROW_BLOCK / LANES = 16 terms each
 
 
 @numba.njit(inline="always")
+def nonfinite(value):
+    """Whether a float32 is ±Inf or NaN (value − value is NaN exactly then); OR-reduced, it vectorizes."""
+    return (value - value) != 0
+
+
+@numba.njit(inline="always")
 def row_sums(a, b, kind, shift, scale, n, acc_a, acc_ab):
     """(Σ a, Σ a·(b − shift)·scale) over a[:n], b[:n] in fp64, elements widened by `load`.
 
     Both sums come from one read of the rows (fp32 products, as the kernels' outputs use
-    them); `acc_a` and `acc_ab` are LANES fp32 each of scratch.
+    them); `acc_a` and `acc_ab` are LANES fp32 each of scratch. Σ a is n·a[0] + Σ (a − a[0]):
+    exact for a constant row, whose mean then cancels it exactly (a gradInput of exactly 0).
     """
-    total_a = 0.0
+    first = load(a[0], kind) if n else np.float32(0)
+    total_a = np.float64(first) * n
     total_ab = 0.0
     for j0 in range(0, n, ROW_BLOCK):
         j1 = min(j0 + ROW_BLOCK, n)
@@ -35,14 +46,14 @@ def row_sums(a, b, kind, shift, scale, n, acc_a, acc_ab):
             bj = b[j : j + LANES]
             for lane in range(LANES):
                 av = load(aj[lane], kind)
-                acc_a[lane] += av
+                acc_a[lane] += av - first
                 acc_ab[lane] += av * ((load(bj[lane], kind) - shift) * scale)
             j += LANES
         aj = a[j:j1]
         bj = b[j:j1]
         for lane in range(j1 - j):
             av = load(aj[lane], kind)
-            acc_a[lane] += av
+            acc_a[lane] += av - first
             acc_ab[lane] += av * ((load(bj[lane], kind) - shift) * scale)
         for lane in range(LANES):
             total_a += np.float64(acc_a[lane])

@@ -29,6 +29,7 @@ import numpy as np
 from numba import prange, types
 
 from ...ops import batch_norm as reference
+from ...ops.rows import squares_out_of_range
 from ...registry import Plan
 from ._jit import (
     FLOAT_DTYPES,
@@ -44,7 +45,7 @@ from ._jit import (
     row,
     views_ready,
 )
-from ._reduce import LANES, shifted_sums
+from ._reduce import LANES, nonfinite, shifted_sums
 from .batch_norm_backward import LAST_SUB_ROWS, LAST_TASKS, kernel_shape
 
 FAR = 16.0  # (mean − shift)² above FAR·var: another sums pass, around the mean (see `far`)
@@ -88,13 +89,14 @@ def _signatures():
                 vec_out,  # mean: written in training, read in inference
                 vec_out,  # variance: likewise
                 array(cin, 3, False, "C"),  # output [L, C, T]
+                array(np.bool_, 1, False, "C"),  # per channel: an output was not finite
             )
         )
     return sigs
 
 
 @lazy_njit(_signatures)
-def channels_kernel(xb, xs, kind, shape, training, eps, w, b, mean, var, y):
+def channels_kernel(xb, xs, kind, shape, training, eps, w, b, mean, var, y, bad):
     n_l, n_c, n_t = shape
     count = n_l * n_t
     for c in prange(n_c):
@@ -120,11 +122,15 @@ def channels_kernel(xb, xs, kind, shape, training, eps, w, b, mean, var, y):
                     break
                 around = np.float32(mean[c])
         mu, scale, shift = coefficients(mean[c], var[c], eps, w[c], b[c])
+        overflow = False
         for li in range(n_l):
             xi = row(xb, li * xs[0] + c * xs[1], xs[2], n_t, xbuf)
             yi = y[li, c]
             for j in range(n_t):
-                yi[j] = narrow((load(xi[j], kind) - mu) * scale + shift, yi, kind)
+                v = (load(xi[j], kind) - mu) * scale + shift
+                overflow |= nonfinite(v)
+                yi[j] = narrow(v, yi, kind)
+        bad[c] = overflow
 
 
 def _last_signatures():
@@ -144,13 +150,14 @@ def _last_signatures():
                 types.float64,  # eps
                 *(vec_in, vec_in, vec_in, vec_in),  # weight, bias, mean, variance (fp64)
                 array(cin, 2, False, "C"),  # output [L, C]
+                array(np.bool_, 1, False, "C"),  # per task: an output was not finite
             )
         )
     return sigs
 
 
 @lazy_njit(_last_signatures)
-def channels_last_kernel(xb, xs, kind, shape, write, shift, task_d, task_dd, eps, w, b, mean, var, y):
+def channels_last_kernel(xb, xs, kind, shape, write, shift, task_d, task_dd, eps, w, b, mean, var, y, bad):
     n_l, n_c = shape
     tasks = task_d.shape[0]
     for t in prange(tasks):
@@ -163,11 +170,15 @@ def channels_last_kernel(xb, xs, kind, shape, write, shift, task_d, task_dd, eps
             bias = np.empty(n_c, np.float32)
             for c in range(n_c):
                 mu[c], scale[c], bias[c] = coefficients(mean[c], var[c], eps, w[c], b[c])
+            overflow = False
             for li in range(l0, l1):
                 xi = row(xb, li * xs[0], xs[1], n_c, xbuf)
                 yi = y[li]
                 for c in range(n_c):
-                    yi[c] = narrow((load(xi[c], kind) - mu[c]) * scale[c] + bias[c], yi, kind)
+                    v = (load(xi[c], kind) - mu[c]) * scale[c] + bias[c]
+                    overflow |= nonfinite(v)
+                    yi[c] = narrow(v, yi, kind)
+            bad[t] = overflow
         else:
             part_d = np.empty(n_c, np.float32)
             part_dd = np.empty(n_c, np.float32)
@@ -218,25 +229,29 @@ def workspace_size(plan: Plan) -> int:
     return running * (2 * LANES * 4 + 4 * shape[2]) + vectors
 
 
-def run_channels(x3, training: bool, eps: float, w, b, mean, var, y3) -> None:
+def run_channels(x3, training: bool, eps: float, w, b, mean, var, y3) -> bool:
+    """The kernel on an [L, C, T] view; returns whether an output was not finite."""
     xk, kind = kernel_view(x3)
     xb, xs = flat(xk)
     yk, _ = kernel_view(y3)
-    channels_kernel.run(xb, xs, kind, x3.shape, training, eps, w, b, mean, var, yk)
+    bad = np.zeros(x3.shape[1], np.bool_)
+    channels_kernel.run(xb, xs, kind, x3.shape, training, eps, w, b, mean, var, yk, bad)
+    return bool(bad.any())
 
 
-def run_channels_last(x2, training: bool, eps: float, w, b, mean, var, y2) -> None:
+def run_channels_last(x2, training: bool, eps: float, w, b, mean, var, y2) -> bool:
     """In training a sums pass around the first row (again around the mean when a channel is `far`),
-    then the output pass."""
+    then the output pass; returns whether an output was not finite."""
     n_l, n_c = x2.shape
     xk, kind = kernel_view(x2)
     xb, xs = flat(xk)
     yk, _ = kernel_view(y2)
     tasks = min(LAST_TASKS, n_l)
     task_d, task_dd = np.zeros((tasks, n_c)), np.zeros((tasks, n_c))
+    bad = np.zeros(tasks, np.bool_)
 
     def run(write: bool, shift: np.ndarray) -> None:
-        channels_last_kernel.run(xb, xs, kind, x2.shape, write, shift, task_d, task_dd, eps, w, b, mean, var, yk)
+        channels_last_kernel.run(xb, xs, kind, x2.shape, write, shift, task_d, task_dd, eps, w, b, mean, var, yk, bad)
 
     if training:
         around = x2[0].astype(np.float32)  # the first row
@@ -249,17 +264,18 @@ def run_channels_last(x2, training: bool, eps: float, w, b, mean, var, y2) -> No
                 break
             around = mean.astype(np.float32)
     run(True, np.zeros(n_c, np.float32))
+    return bool(bad.any())
 
 
 def per_channel(t: np.ndarray | None, c: int, default: float) -> np.ndarray:
     return np.full(c, default) if t is None else np.ascontiguousarray(t.reshape(-1), np.float64)
 
 
-def compute(plan: Plan, args: dict[str, Any]) -> None:
+def compute(plan: Plan, args: dict[str, Any]) -> bool:
+    """Returns whether fp32 could not hold a result (`out_of_range`: the call is repeated in fp64)."""
     x = args["input"]
     if x.size == 0:  # saveMean 0, saveInvstd NaN when given: the reference's few writes
-        reference.compute(**args)
-        return
+        return reference.compute(**args)
     shape = shape_of(plan)
     n_c = shape[1]
     training, eps = bool(args["training"]), float(args["eps"])
@@ -271,15 +287,16 @@ def compute(plan: Plan, args: dict[str, Any]) -> None:
     out = args["output"]
     y = out.reshape(shape) if out.flags.c_contiguous else np.empty(shape, out.dtype)
     run = run_channels_last if len(shape) == 2 else run_channels
-    run(kernel_ready(x, shape), training, eps, w, b, mean, var, y)
+    bad = run(kernel_ready(x, shape), training, eps, w, b, mean, var, y)
     if not out.flags.c_contiguous:
         out[...] = y.reshape(out.shape)
-    if training:
-        with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
-            args["saveMean"][...] = mean
-            args["saveInvstd"][...] = 1.0 / np.sqrt(var + eps)
-            n = math.prod(shape) // n_c
-            reference.update_running(args["runningMean"], args["runningVar"], mean, var, n, float(args["momentum"]))
+    if not training:
+        return bad
+    args["saveMean"][...] = mean
+    args["saveInvstd"][...] = 1.0 / np.sqrt(var + eps)
+    n = math.prod(shape) // n_c
+    reference.update_running(args["runningMean"], args["runningVar"], mean, var, n, float(args["momentum"]))
+    return bad or squares_out_of_range(var + eps)
 
 
 def warm_up() -> None:

@@ -22,6 +22,7 @@ import numba
 import numpy as np
 from numba import prange, types
 
+from ...ops.rows import out_of_range
 from ...registry import Plan
 from ._jit import (
     F32,
@@ -38,7 +39,7 @@ from ._jit import (
     row,
     views_ready,
 )
-from ._reduce import LANES, row_sums
+from ._reduce import LANES, nonfinite, row_sums
 
 
 def storage_signatures(rank: int, rest: Callable[[Any], tuple]) -> list[Any]:
@@ -61,12 +62,15 @@ def _signatures():
             *(array(cin, 3, False, "C"), types.int64),  # gradInput [L, C, T] (or a dummy), its kind
             *(sums, sums),  # Σg, Σg·x̂ per channel (fp64)
             *(types.boolean, types.boolean, types.boolean),  # training, want gradInput, need sums
+            array(np.bool_, 1, False, "C"),  # per channel: a gradInput was not finite
         ),
     )
 
 
 @lazy_njit(_signatures)
-def channels_kernel(gb, gs, xb, xs, kind, shape, mu, s, w, dx, out_kind, sum_g, sum_gx, training, want_dx, need_sums):
+def channels_kernel(
+    gb, gs, xb, xs, kind, shape, mu, s, w, dx, out_kind, sum_g, sum_gx, training, want_dx, need_sums, bad
+):
     n_l, n_c, n_t = shape
     count = n_l * n_t
     for c in prange(n_c):
@@ -87,6 +91,7 @@ def channels_kernel(gb, gs, xb, xs, kind, shape, mu, s, w, dx, out_kind, sum_g, 
                 tgx += rgx
         sum_g[c] = tg
         sum_gx[c] = tgx
+        overflow = False
         if want_dx:
             scale = w[c] * sc
             mean_g = np.float32(0)
@@ -101,10 +106,15 @@ def channels_kernel(gb, gs, xb, xs, kind, shape, mu, s, w, dx, out_kind, sum_g, 
                     xi = row(xb, li * xs[0] + c * xs[1], xs[2], n_t, xbuf)
                     for j in range(n_t):
                         h = (load(xi[j], kind) - m) * sc
-                        di[j] = narrow((load(gi[j], kind) - mean_g - h * mean_gx) * scale, di, out_kind)
+                        v = (load(gi[j], kind) - mean_g - h * mean_gx) * scale
+                        overflow |= nonfinite(v)
+                        di[j] = narrow(v, di, out_kind)
                 else:
                     for j in range(n_t):
-                        di[j] = narrow(load(gi[j], kind) * scale, di, out_kind)
+                        v = load(gi[j], kind) * scale
+                        overflow |= nonfinite(v)
+                        di[j] = narrow(v, di, out_kind)
+        bad[c] = overflow
 
 
 LAST_TASKS = 32  # tasks of a channel-last call (fewer when L is smaller): never the thread count
@@ -121,13 +131,14 @@ def _last_signatures():
             *(array(cin, 2, False, "C"), types.int64),  # gradInput [L, C] (or a dummy), its kind
             *(sums, sums),  # Σg, Σg·x̂ per task and channel (the sums pass)
             *(types.boolean, types.boolean),  # the sums pass (else gradInput's), training
+            array(np.bool_, 1, False, "C"),  # per task: a gradInput was not finite
         ),
     )
 
 
 @lazy_njit(_last_signatures)
 def channels_last_kernel(
-    gb, gs, xb, xs, kind, shape, mu, s, mean_g, mean_gx, scale, dx, out_kind, task_g, task_gx, sums_pass, training
+    gb, gs, xb, xs, kind, shape, mu, s, mean_g, mean_gx, scale, dx, out_kind, task_g, task_gx, sums_pass, training, bad
 ):
     n_l, n_c = shape
     tasks = task_g.shape[0]
@@ -157,6 +168,7 @@ def channels_last_kernel(
                     tg[c] += part_g[c]
                     tgx[c] += part_gx[c]
         else:
+            overflow = False
             for li in range(l0, l1):
                 gi = row(gb, li * gs[0], gs[1], n_c, gbuf)
                 di = dx[li]
@@ -164,10 +176,15 @@ def channels_last_kernel(
                     xi = row(xb, li * xs[0], xs[1], n_c, xbuf)
                     for c in range(n_c):
                         h = (load(xi[c], kind) - mu[c]) * s[c]
-                        di[c] = narrow((load(gi[c], kind) - mean_g[c] - h * mean_gx[c]) * scale[c], di, out_kind)
+                        v = (load(gi[c], kind) - mean_g[c] - h * mean_gx[c]) * scale[c]
+                        overflow |= nonfinite(v)
+                        di[c] = narrow(v, di, out_kind)
                 else:
                     for c in range(n_c):
-                        di[c] = narrow(load(gi[c], kind) * scale[c], di, out_kind)
+                        v = load(gi[c], kind) * scale[c]
+                        overflow |= nonfinite(v)
+                        di[c] = narrow(v, di, out_kind)
+            bad[t] = overflow
 
 
 def lct(shape: tuple[int, ...], axis: int) -> tuple[int, int, int]:
@@ -205,47 +222,54 @@ def per_channel(t: np.ndarray | None, c: int, default: float) -> np.ndarray:
     return np.full(c, default, np.float32) if t is None else t.reshape(-1).astype(np.float32)
 
 
-def run_channels(g3, x3, mu, s, w, dx3, training: bool, need_sums: bool) -> tuple[np.ndarray, np.ndarray]:
+def run_channels(g3, x3, mu, s, w, dx3, training: bool, need_sums: bool) -> tuple[np.ndarray, np.ndarray, bool]:
+    """The kernel on [L, C, T] views: (Σg, Σg·x̂) per channel, and whether a gradInput was not finite."""
     n_c = x3.shape[1]
     gk, kind = kernel_view(g3)
     xk, _ = kernel_view(x3)
     (gb, gs), (xb, xs) = flat(gk), flat(xk)
     if dx3 is not None:
         dk, out_kind = kernel_view(dx3)
-    else:
-        dk, out_kind = np.empty((1, 1, 1), np.float32), F32
+    else:  # a placeholder of the storage type the signature takes
+        dk, out_kind = np.empty((1, 1, 1), gk.dtype), F32
     sum_g, sum_gx = np.zeros(n_c), np.zeros(n_c)
+    bad = np.zeros(n_c, np.bool_)
     channels_kernel.run(
-        gb, gs, xb, xs, kind, x3.shape, mu, s, w, dk, out_kind, sum_g, sum_gx, training, dx3 is not None, need_sums
+        gb, gs, xb, xs, kind, x3.shape, mu, s, w, dk, out_kind, sum_g, sum_gx, training, dx3 is not None, need_sums, bad
     )
-    return sum_g, sum_gx
+    return sum_g, sum_gx, bool(bad.any())
 
 
-def run_channels_last(g2, x2, mu, s, w, dx2, training: bool, need_sums: bool) -> tuple[np.ndarray, np.ndarray]:
-    """The channel-last kernel on [L, C] views: a sums pass (when needed), then a gradInput pass."""
+def run_channels_last(g2, x2, mu, s, w, dx2, training: bool, need_sums: bool) -> tuple[np.ndarray, np.ndarray, bool]:
+    """The channel-last kernel on [L, C] views: a sums pass (when needed), then a gradInput pass;
+    returns `run_channels`' results."""
     n_l, n_c = x2.shape
     gk, kind = kernel_view(g2)
     xk, _ = kernel_view(x2)
     (gb, gs), (xb, xs) = flat(gk), flat(xk)
     tasks = min(LAST_TASKS, n_l)
     task_g, task_gx = np.zeros((tasks, n_c)), np.zeros((tasks, n_c))
+    bad = np.zeros(tasks, np.bool_)
     unused = np.empty(0, np.float32)
     if need_sums:
         dummy = np.empty((1, 1), gk.dtype)
         channels_last_kernel.run(
-            gb, gs, xb, xs, kind, x2.shape, mu, s, unused, unused, unused, dummy, F32, task_g, task_gx, True, training
+            *(gb, gs, xb, xs, kind, x2.shape, mu, s, unused, unused, unused, dummy, F32),
+            *(task_g, task_gx, True, training, bad),
         )
     sum_g, sum_gx = task_g.sum(axis=0), task_gx.sum(axis=0)  # in task order
     if dx2 is not None:
         dk, out_kind = kernel_view(dx2)
         means = [(total / n_l).astype(np.float32) for total in (sum_g, sum_gx)]
         channels_last_kernel.run(
-            gb, gs, xb, xs, kind, x2.shape, mu, s, *means, w * s, dk, out_kind, task_g, task_gx, False, training
+            *(gb, gs, xb, xs, kind, x2.shape, mu, s, *means, w * s, dk, out_kind),
+            *(task_g, task_gx, False, training, bad),
         )
-    return sum_g, sum_gx
+    return sum_g, sum_gx, bool(bad.any())
 
 
-def compute(plan: Plan, args: dict[str, Any]) -> None:
+def compute(plan: Plan, args: dict[str, Any]) -> bool:
+    """Returns whether a result was not finite (the call is then repeated in fp64)."""
     shape = kernel_shape(args["input"].shape, plan.values["channel_axis"])
     g, x = kernel_ready(args["gradOut"], shape), kernel_ready(args["input"], shape)
     n_c = shape[1]
@@ -257,24 +281,26 @@ def compute(plan: Plan, args: dict[str, Any]) -> None:
         mu = per_channel(args["runningMean"], n_c, 0.0)
         rv = args["runningVar"]
         var = np.ones(n_c) if rv is None else rv.reshape(-1).astype(np.float64)
-        with np.errstate(invalid="ignore", divide="ignore"):
-            s = (1.0 / np.sqrt(var + args["eps"])).astype(np.float32)
+        s = (1.0 / np.sqrt(var + args["eps"])).astype(np.float32)
     dx, dw, db = args["gradInput"], args["gradWeight"], args["gradBias"]
     need_sums = dw is not None or db is not None or (training and dx is not None)
     if math.prod(shape):
         run = run_channels_last if len(shape) == 2 else run_channels
-        sum_g, sum_gx = run(g, x, mu, s, w, None if dx is None else dx.reshape(shape), training, need_sums)
+        sum_g, sum_gx, bad = run(g, x, mu, s, w, None if dx is None else dx.reshape(shape), training, need_sums)
     else:
-        sum_g, sum_gx = np.zeros(n_c), np.zeros(n_c)
+        sum_g, sum_gx, bad = np.zeros(n_c), np.zeros(n_c), False
     if dw is not None:
         dw[...] = sum_gx
     if db is not None:
         db[...] = sum_g
+    return bad or out_of_range(sum_gx if dw is not None else None, sum_g if db is not None else None)
 
 
 def warm_up() -> None:
-    ones = np.ones(2, np.float32)
+    """Runs every compiled signature once on a tiny problem: [2, 2, 3] and channel-last [2, 3]."""
     for dtype in FLOAT_DTYPES:
         x = np.ones((2, 2, 3), dtype)
+        ones = np.ones(2, np.float32)
         run_channels(x, x, ones, ones, ones, np.empty((2, 2, 3), dtype), True, True)
+        ones = np.ones(3, np.float32)
         run_channels_last(x[0], x[0], ones, ones, ones, np.empty((2, 3), dtype), True, True)

@@ -28,6 +28,7 @@ from ._jit import (
     row,
     views_ready,
 )
+from ._reduce import nonfinite
 from .batch_norm_backward import lct
 
 
@@ -43,13 +44,14 @@ def _signatures():
                     *(base, strides, base, strides, types.int64, strides),
                     *(vec, vec, vec, vec),  # mean, shift, slope, scale
                     *(array(cout, 3, False, "C"), types.int64),
+                    array(np.bool_, 1, False, "C"),  # per (l, c) row: a gradInput was not finite
                 )
             )
     return sigs
 
 
 @lazy_njit(_signatures)
-def elemt_kernel(gb, gs, xb, xs, kind, shape, mu, shift, slope, scale, dx, out_kind):
+def elemt_kernel(gb, gs, xb, xs, kind, shape, mu, shift, slope, scale, dx, out_kind, bad):
     n_l, n_c, n_t = shape
     for r in prange(n_l * n_c):
         li = r // n_c
@@ -60,9 +62,13 @@ def elemt_kernel(gb, gs, xb, xs, kind, shape, mu, shift, slope, scale, dx, out_k
         xi = row(xb, li * xs[0] + c * xs[1], xs[2], n_t, xbuf)
         di = dx[li, c]
         m, sh, sl, sc = mu[c], shift[c], slope[c], scale[c]
+        overflow = False
         for j in range(n_t):
             h = (load(xi[j], kind) - m) * sl
-            di[j] = narrow((load(gi[j], kind) - sh - h) * sc, di, out_kind)
+            v = (load(gi[j], kind) - sh - h) * sc
+            overflow |= nonfinite(v)
+            di[j] = narrow(v, di, out_kind)
+        bad[r] = overflow
 
 
 def handles(plan: Plan) -> bool:
@@ -77,18 +83,22 @@ def workspace_size(plan: Plan) -> int:
     return 4 * 4 * plan.inputs["input"].shape[1]
 
 
-def run(g3, x3, mu, shift, slope, scale, dx3) -> None:
+def run(g3, x3, mu, shift, slope, scale, dx3) -> bool:
+    """The kernel on [L, C, T] views; returns whether a gradInput was not finite."""
     gk, kind = kernel_view(g3)
     xk, _ = kernel_view(x3)
     (gb, gs), (xb, xs) = flat(gk), flat(xk)
     dk, out_kind = kernel_view(dx3)
-    elemt_kernel.run(gb, gs, xb, xs, kind, x3.shape, mu, shift, slope, scale, dk, out_kind)
+    bad = np.zeros(x3.shape[0] * x3.shape[1], np.bool_)
+    elemt_kernel.run(gb, gs, xb, xs, kind, x3.shape, mu, shift, slope, scale, dk, out_kind, bad)
+    return bool(bad.any())
 
 
-def compute(plan: Plan, args: dict[str, Any]) -> None:
+def compute(plan: Plan, args: dict[str, Any]) -> bool:
+    """Returns whether a result was not finite (the call is then repeated in fp64)."""
     shape = lct(args["input"].shape, 1)
     if not math.prod(shape):
-        return
+        return False
     n_c = shape[1]
 
     def vec(t: np.ndarray) -> np.ndarray:
@@ -97,13 +107,12 @@ def compute(plan: Plan, args: dict[str, Any]) -> None:
     total = counter_total(args["counter"])
     inv = vec(args["invstd"])
     w = np.ones(n_c) if args["weight"] is None else vec(args["weight"])
-    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
-        shift = (vec(args["sumDy"]) / total).astype(np.float32)
-        slope = (inv * inv * vec(args["sumDyXmu"]) / total).astype(np.float32)
-        scale = (inv * w).astype(np.float32)
+    shift = (vec(args["sumDy"]) / total).astype(np.float32)
+    slope = (inv * inv * vec(args["sumDyXmu"]) / total).astype(np.float32)
+    scale = (inv * w).astype(np.float32)
     mu = vec(args["mean"]).astype(np.float32)
     g3, x3 = kernel_ready(args["gradOut"], shape), kernel_ready(args["input"], shape)
-    run(g3, x3, mu, shift, slope, scale, args["gradInput"].reshape(shape))
+    return run(g3, x3, mu, shift, slope, scale, args["gradInput"].reshape(shape))
 
 
 def warm_up() -> None:

@@ -17,6 +17,7 @@ import numba
 import numpy as np
 from numba import prange, types
 
+from ...ops.rows import out_of_range
 from ...registry import Plan
 from ._jit import (
     FLOAT_DTYPES,
@@ -32,7 +33,7 @@ from ._jit import (
     row,
     views_ready,
 )
-from ._reduce import LANES, row_sums
+from ._reduce import LANES, nonfinite, row_sums
 
 
 def _signatures():
@@ -52,13 +53,14 @@ def _signatures():
                 array(cin, 3, False, "C"),  # gradInput [N, C, HxW] (a dummy when masked off)
                 *(sums, sums),  # Σg, Σg·x̂ per sample and channel
                 types.boolean,  # write gradInput
+                array(np.bool_, 1, False, "C"),  # per (sample, group): a gradInput was not finite
             )
         )
     return sigs
 
 
 @lazy_njit(_signatures)
-def groups_kernel(gb, gs, xb, xs, kind, shape, group, mean, rstd, w, dx, sum_g, sum_gx, want_dx):
+def groups_kernel(gb, gs, xb, xs, kind, shape, group, mean, rstd, w, dx, sum_g, sum_gx, want_dx, bad):
     n_n, n_c, n_t = shape
     per_group = n_c // group
     d = per_group * n_t
@@ -81,6 +83,7 @@ def groups_kernel(gb, gs, xb, xs, kind, shape, group, mean, rstd, w, dx, sum_g, 
             sum_gx[s, c] = tgx
             total_gw += w[c] * tg
             total_gwx += w[c] * tgx
+        overflow = False
         if want_dx and d:
             mean_gw = np.float32(total_gw / d)
             mean_gwx = np.float32(total_gwx / d)
@@ -91,7 +94,10 @@ def groups_kernel(gb, gs, xb, xs, kind, shape, group, mean, rstd, w, dx, sum_g, 
                 di = dx[s, c]
                 for j in range(n_t):
                     h = (load(xi[j], kind) - mu) * rs
-                    di[j] = narrow((load(gi[j], kind) * wc - mean_gw - h * mean_gwx) * rs, di, kind)
+                    v = (load(gi[j], kind) * wc - mean_gw - h * mean_gwx) * rs
+                    overflow |= nonfinite(v)
+                    di[j] = narrow(v, di, kind)
+        bad[task] = overflow
 
 
 def kernel_shape(plan: Plan) -> tuple[int, int, int]:
@@ -114,23 +120,26 @@ def workspace_size(plan: Plan) -> int:
     return 2 * 8 * n_n * n_c + 2 * 4 * n_n * group + 4 * n_c + running * (2 * 4 * LANES + 2 * itemsize * n_t)
 
 
-def run_groups(g3, x3, group: int, mean, rstd, w, dx3) -> tuple[np.ndarray, np.ndarray]:
-    """The kernel on [N, C, HxW] views; returns fp64 (Σg, Σg·x̂) per channel, added over samples in order."""
+def run_groups(g3, x3, group: int, mean, rstd, w, dx3) -> tuple[np.ndarray, np.ndarray, bool]:
+    """The kernel on [N, C, HxW] views; returns fp64 (Σg, Σg·x̂) per channel, added over samples in
+    order, and whether a gradInput was not finite."""
     n_n, n_c, _ = x3.shape
     gk, kind = kernel_view(g3)
     xk, _ = kernel_view(x3)
     (gb, gs), (xb, xs) = flat(gk), flat(xk)
     dk = np.empty((1, 1, 1), gk.dtype) if dx3 is None else kernel_view(dx3)[0]
     sum_g, sum_gx = np.empty((n_n, n_c)), np.empty((n_n, n_c))
-    groups_kernel.run(gb, gs, xb, xs, kind, x3.shape, group, mean, rstd, w, dk, sum_g, sum_gx, dx3 is not None)
-    return sum_g.sum(axis=0), sum_gx.sum(axis=0)
+    bad = np.zeros(n_n * group, np.bool_)
+    groups_kernel.run(gb, gs, xb, xs, kind, x3.shape, group, mean, rstd, w, dk, sum_g, sum_gx, dx3 is not None, bad)
+    return sum_g.sum(axis=0), sum_gx.sum(axis=0), bool(bad.any())
 
 
 def as_f32(a: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(a.reshape(-1), np.float32)
 
 
-def compute(plan: Plan, args: dict[str, Any]) -> None:
+def compute(plan: Plan, args: dict[str, Any]) -> bool:
+    """Returns whether a result was not finite (the call is then repeated in fp64)."""
     shape = kernel_shape(plan)
     n_c = shape[1]
     dx, dgamma, dbeta = args["gradInput"], args["gradGammaOut"], args["gradBetaOut"]
@@ -141,15 +150,17 @@ def compute(plan: Plan, args: dict[str, Any]) -> None:
         dx3 = None
         if dx is not None:
             dx3 = dx.reshape(shape) if dx.flags.c_contiguous else np.empty(shape, dx.dtype)
-        sum_g, sum_gx = run_groups(g3, x3, plan.values["group"], as_f32(args["mean"]), as_f32(args["rstd"]), w, dx3)
+        mean, rstd = as_f32(args["mean"]), as_f32(args["rstd"])
+        sum_g, sum_gx, bad = run_groups(g3, x3, plan.values["group"], mean, rstd, w, dx3)
         if dx is not None and not dx.flags.c_contiguous:
             dx[...] = dx3.reshape(dx.shape)
     else:
-        sum_g, sum_gx = np.zeros(n_c), np.zeros(n_c)
+        sum_g, sum_gx, bad = np.zeros(n_c), np.zeros(n_c), False
     if dgamma is not None:
         dgamma[...] = sum_gx.reshape(dgamma.shape)
     if dbeta is not None:
         dbeta[...] = sum_g.reshape(dbeta.shape)
+    return bad or out_of_range(sum_gx if dgamma is not None else None, sum_g if dbeta is not None else None)
 
 
 def warm_up() -> None:

@@ -16,6 +16,7 @@ import numba
 import numpy as np
 from numba import prange, types
 
+from ...ops.rows import out_of_range
 from ...registry import Plan
 from ._jit import (
     F32,
@@ -32,7 +33,7 @@ from ._jit import (
     row,
     views_ready,
 )
-from ._reduce import LANES, row_sums
+from ._reduce import LANES, nonfinite, row_sums
 
 MAX_BLOCK_ROWS = 128  # rows per task at most: the fp32 column partials sum this many rows
 MIN_BLOCKS = 32  # tasks per call when there are that many rows (load balance on any thread count)
@@ -70,13 +71,16 @@ def _signatures():
                     types.int64,  # rows per block
                     types.boolean,  # write gradInput
                     types.boolean,  # accumulate the column partials
+                    array(np.bool_, 1, False, "C"),  # per block: a gradInput was not finite
                 )
             )
     return sigs
 
 
 @lazy_njit(_signatures)
-def rows_kernel(gb, gs, xb, xs, kind, shape, mean, rstd, w, dx, out_kind, part_g, part_gx, rows, want_dx, want_cols):
+def rows_kernel(
+    gb, gs, xb, xs, kind, shape, mean, rstd, w, dx, out_kind, part_g, part_gx, rows, want_dx, want_cols, bad
+):
     m, n = shape
     blocks = (m + rows - 1) // rows
     for blk in prange(blocks):
@@ -86,11 +90,14 @@ def rows_kernel(gb, gs, xb, xs, kind, shape, mean, rstd, w, dx, out_kind, part_g
         acc_dot = np.empty(LANES, np.float32)
         gbuf = np.empty(gather_len(gs[1], n), gb.dtype)
         xbuf = np.empty(gather_len(xs[1], n), xb.dtype)
-        pg = part_g[blk]
-        pgx = part_gx[blk]
+        pg = part_g[0]  # the one (unused) row there is when the sums are not wanted
+        pgx = part_gx[0]
         if want_cols:
+            pg = part_g[blk]
+            pgx = part_gx[blk]
             pg[:] = 0
             pgx[:] = 0
+        overflow = False
         for i in range(blk * rows, min(blk * rows + rows, m)):
             gi = row(gb, i * gs[0], gs[1], n, gbuf)
             xi = row(xb, i * xs[0], xs[1], n, xbuf)
@@ -114,7 +121,10 @@ def rows_kernel(gb, gs, xb, xs, kind, shape, mean, rstd, w, dx, out_kind, part_g
                 c2 = np.float32(sum_gwxh / n)
                 di = dx[i]
                 for j in range(n):
-                    di[j] = narrow(rs * (gw[j] - c1 - xh[j] * c2), di, out_kind)
+                    v = rs * (gw[j] - c1 - xh[j] * c2)
+                    overflow |= nonfinite(v)
+                    di[j] = narrow(v, di, out_kind)
+        bad[blk] = overflow
 
 
 def scratch_bytes(m: int, n: int, want_cols: bool = True) -> int:
@@ -127,8 +137,9 @@ def scratch_bytes(m: int, n: int, want_cols: bool = True) -> int:
     return partials + tasks * 4 * n * 4 + 2 * 4 * m + 4 * n + (2 * 8 * n if want_cols else 0)
 
 
-def compute_rows(g2, x2, mean, rstd, w, dx2, want_cols: bool):
-    """The fused kernel on [M, N] views; returns fp64 (Σ g, Σ g·x̂) per column (or None)."""
+def compute_rows(g2, x2, mean, rstd, w, dx2, want_cols: bool) -> tuple[tuple[np.ndarray, np.ndarray] | None, bool]:
+    """The fused kernel on [M, N] views; returns fp64 (Σ g, Σ g·x̂) per column (or None), and
+    whether a result was not finite (`nonfinite`, or the sums)."""
     m, n = x2.shape
     gk, kind = kernel_view(g2)
     xk, _ = kernel_view(x2)
@@ -141,12 +152,15 @@ def compute_rows(g2, x2, mean, rstd, w, dx2, want_cols: bool):
     part_g = np.empty((blocks if want_cols else 1, n), np.float32)
     part_gx = np.empty_like(part_g)
     rows = block_rows(m)
+    bad = np.zeros(blocks, np.bool_)
     rows_kernel.run(
-        gb, gs, xb, xs, kind, (m, n), mean, rstd, w, dk, out_kind, part_g, part_gx, rows, dx2 is not None, want_cols
+        *(gb, gs, xb, xs, kind, (m, n), mean, rstd, w, dk, out_kind),
+        *(part_g, part_gx, rows, dx2 is not None, want_cols, bad),
     )
     if not want_cols:
-        return None
-    return part_g.sum(axis=0, dtype=np.float64), part_gx.sum(axis=0, dtype=np.float64)
+        return None, bool(bad.any())
+    sums = part_g.sum(axis=0, dtype=np.float64), part_gx.sum(axis=0, dtype=np.float64)
+    return sums, bool(bad.any()) or out_of_range(*sums)
 
 
 def rows_of(plan: Plan) -> tuple[int, int]:
@@ -165,23 +179,26 @@ def workspace_size(plan: Plan) -> int:
     return scratch_bytes(m, n, "gradWeightOut" in plan.outputs or "gradBiasOut" in plan.outputs)
 
 
-def compute(plan: Plan, args: dict[str, Any]) -> None:
+def compute(plan: Plan, args: dict[str, Any]) -> bool:
+    """Returns whether a result was not finite (the call is then repeated in fp64)."""
     m, n = rows_of(plan)
     g2, x2 = kernel_ready(args["gradOut"], (m, n)), kernel_ready(args["input"], (m, n))
     dx, dw, db = args["gradInputOut"], args["gradWeightOut"], args["gradBiasOut"]
     want_cols = dw is not None or db is not None
+    trouble = False
     if m * n:
         mu = args["mean"].reshape(-1).astype(np.float32)
         rs = args["rstd"].reshape(-1).astype(np.float32)
         weight = args["weightOptional"]
         w = np.ones(n, np.float32) if weight is None else weight.reshape(-1).astype(np.float32)
-        sums = compute_rows(g2, x2, mu, rs, w, None if dx is None else dx.reshape(m, n), want_cols)
+        sums, trouble = compute_rows(g2, x2, mu, rs, w, None if dx is None else dx.reshape(m, n), want_cols)
     else:
         sums = (np.zeros(n), np.zeros(n))
     if dw is not None:
         dw.reshape(-1)[:] = sums[1]
     if db is not None:
         db.reshape(-1)[:] = sums[0]
+    return trouble
 
 
 def warm_up() -> None:

@@ -39,17 +39,19 @@ def workspace_size(plan: Plan) -> int:
     return scratch_bytes(m, n) + 4 * m  # the variance widened before rstd
 
 
-def compute(plan: Plan, args: dict[str, Any]) -> None:
+def compute(plan: Plan, args: dict[str, Any]) -> bool:
+    """Returns whether a result was not finite (the call is then repeated in fp64)."""
     m, n, g = geometry(plan)
     dy, x = kernel_ready(args["dy"], (m, n)), kernel_ready(args["x"], (m, n))
     pd_x, pd_gamma, pd_beta = args["pd_x"], args["pd_gamma"], args["pd_beta"]
     want_cols = pd_gamma is not None or pd_beta is not None
+    trouble = False
     if m * n:
-        with np.errstate(invalid="ignore", divide="ignore"):
-            rstd = 1.0 / np.sqrt(args["variance"].reshape(-1).astype(np.float32) + np.float32(EPSILON))
+        rstd = 1.0 / np.sqrt(args["variance"].reshape(-1).astype(np.float32) + np.float32(EPSILON))
         mean = args["mean"].reshape(-1).astype(np.float32)
         w = np.tile(args["gamma"].reshape(-1).astype(np.float32), n // g)
-        sums = compute_rows(dy, x, mean, rstd, w, None if pd_x is None else pd_x.reshape(m, n), want_cols)
+        dx = None if pd_x is None else pd_x.reshape(m, n)
+        sums, trouble = compute_rows(dy, x, mean, rstd, w, dx, want_cols)
     else:
         sums = (np.zeros(n), np.zeros(n))
     # Column j of the rows is gamma position j mod G: fold the N sums onto G, in order.
@@ -57,6 +59,7 @@ def compute(plan: Plan, args: dict[str, Any]) -> None:
         pd_gamma.reshape(-1)[:] = sums[1].reshape(n // g, g).sum(axis=0)
     if pd_beta is not None:
         pd_beta.reshape(-1)[:] = sums[0].reshape(n // g, g).sum(axis=0)
+    return trouble
 
 
 def warm_up() -> None:

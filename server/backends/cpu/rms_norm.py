@@ -14,6 +14,7 @@ import numba
 import numpy as np
 from numba import prange, types
 
+from ...ops.rows import squares_out_of_range
 from ...registry import Plan
 from ._jit import (
     FLOAT_DTYPES,
@@ -104,10 +105,12 @@ def run_rows(x2: np.ndarray, w: np.ndarray, eps: float, y2: np.ndarray, rstd: np
     rms_kernel.run(xb, xs, kind, (m, n), w, float(eps), yk, rstd, block_rows(m))
 
 
-def compute(plan: Plan, args: dict[str, Any]) -> None:
+def compute(plan: Plan, args: dict[str, Any]) -> bool:
+    """Returns whether fp32 could not hold the squares (`squares_out_of_range` of 1/rstd²): the call
+    is then repeated in fp64. With rstd in range, x·rstd stays within √N; only γ scales it further."""
     m, n = rows_of(plan)
     if m * n == 0:
-        return
+        return False
     x2 = kernel_ready(args["x"], (m, n))
     w = np.ascontiguousarray(args["gamma"].reshape(-1), np.float32)
     y, rstd = args["yOut"], args["rstdOut"]
@@ -118,6 +121,7 @@ def compute(plan: Plan, args: dict[str, Any]) -> None:
         y[...] = y2.reshape(y.shape)
     if not rstd.flags.c_contiguous:
         rstd[...] = rs.reshape(rstd.shape)
+    return squares_out_of_range(1.0 / np.square(rs.astype(np.float64)))
 
 
 def warm_up() -> None:

@@ -15,6 +15,7 @@ import numba
 import numpy as np
 from numba import prange, types
 
+from ...ops.rows import out_of_range
 from ...registry import Plan
 from ._jit import (
     F32,
@@ -31,7 +32,7 @@ from ._jit import (
     row,
     views_ready,
 )
-from ._reduce import LANES, row_sums
+from ._reduce import LANES, nonfinite, row_sums
 from .layer_norm_backward import block_rows, n_blocks
 
 
@@ -50,13 +51,14 @@ def _signatures():
                 array(cin, 2, False, "C"),  # dx [M, N]
                 array(np.float32, 2, False, "C"),  # Σ dy·x̂ partials [blocks, N]
                 types.int64,  # rows per block
+                array(np.bool_, 1, False, "C"),  # per block: a dx was not finite
             )
         )
     return sigs
 
 
 @lazy_njit(_signatures)
-def rows_kernel(gb, gs, xb, xs, kind, shape, rstd, w, dx, part, rows):
+def rows_kernel(gb, gs, xb, xs, kind, shape, rstd, w, dx, part, rows, bad):
     m, n = shape
     blocks = (m + rows - 1) // rows
     for blk in prange(blocks):
@@ -68,6 +70,7 @@ def rows_kernel(gb, gs, xb, xs, kind, shape, rstd, w, dx, part, rows):
         xbuf = np.empty(gather_len(xs[1], n), xb.dtype)
         pg = part[blk]
         pg[:] = 0
+        overflow = False
         for i in range(blk * rows, min(blk * rows + rows, m)):
             gi = row(gb, i * gs[0], gs[1], n, gbuf)
             xi = row(xb, i * xs[0], xs[1], n, xbuf)
@@ -82,7 +85,10 @@ def rows_kernel(gb, gs, xb, xs, kind, shape, rstd, w, dx, part, rows):
             c = np.float32(dot / n)
             di = dx[i]
             for j in range(n):
-                di[j] = narrow((gw[j] - xh[j] * c) * rs, di, kind)
+                v = (gw[j] - xh[j] * c) * rs
+                overflow |= nonfinite(v)
+                di[j] = narrow(v, di, kind)
+        bad[blk] = overflow
 
 
 def rows_of(plan: Plan) -> tuple[int, int]:
@@ -104,32 +110,35 @@ def workspace_size(plan: Plan) -> int:
     return 4 * n * blocks + running * 4 * n * 4 + 4 * m + 4 * n + 8 * n
 
 
-def run_rows(g2, x2, rstd, w, dx2) -> np.ndarray:
-    """The kernel on [M, N] views; returns dgamma's column sums in fp64."""
+def run_rows(g2, x2, rstd, w, dx2) -> tuple[np.ndarray, bool]:
+    """The kernel on [M, N] views; returns dgamma's column sums in fp64, and whether a dx was not finite."""
     m, n = x2.shape
     gk, kind = kernel_view(g2)
     xk, _ = kernel_view(x2)
     (gb, gs), (xb, xs) = flat(gk), flat(xk)
     dk, _ = kernel_view(dx2)
     part = np.empty((n_blocks(m), n), np.float32)
-    rows_kernel.run(gb, gs, xb, xs, kind, (m, n), rstd, w, dk, part, block_rows(m))
-    return part.sum(axis=0, dtype=np.float64)
+    bad = np.zeros(n_blocks(m), np.bool_)
+    rows_kernel.run(gb, gs, xb, xs, kind, (m, n), rstd, w, dk, part, block_rows(m), bad)
+    return part.sum(axis=0, dtype=np.float64), bool(bad.any())
 
 
-def compute(plan: Plan, args: dict[str, Any]) -> None:
+def compute(plan: Plan, args: dict[str, Any]) -> bool:
+    """Returns whether a result was not finite (the call is then repeated in fp64)."""
     m, n = rows_of(plan)
     dx, dgamma = args["dxOut"], args["dgammaOut"]
     if m * n == 0:
         dgamma[...] = 0
-        return
+        return False
     g2, x2 = kernel_ready(args["dy"], (m, n)), kernel_ready(args["x"], (m, n))
     rstd = np.ascontiguousarray(args["rstd"].reshape(-1), np.float32)
     w = np.ascontiguousarray(args["gamma"].reshape(-1), np.float32)
     dx2 = dx.reshape(m, n) if dx.flags.c_contiguous else np.empty((m, n), dx.dtype)
-    sums = run_rows(g2, x2, rstd, w, dx2)
+    sums, bad = run_rows(g2, x2, rstd, w, dx2)
     if not dx.flags.c_contiguous:
         dx[...] = dx2.reshape(dx.shape)
     dgamma[...] = sums.reshape(dgamma.shape)
+    return bad or out_of_range(sums)
 
 
 def warm_up() -> None:

@@ -77,6 +77,7 @@ from aclnn_common.errors import AclnnError, Status
 from ...descriptors import TensorDesc
 from ...registry import Operator, Plan
 from ...streams import StreamKey
+from ..widening import compute_in_range
 from .acl import ACL_MEMCPY_DEVICE_TO_HOST, ACL_MEMCPY_HOST_TO_DEVICE, APIS, Acl, AclnnApi
 from .memory import NpuMemory
 from .streams import MAX_STREAMS, MAX_STREAMS_PER_IDENTITY, AclStream, DeviceBlock, StreamPool
@@ -305,7 +306,7 @@ class NpuBackend:
         `stream` (after the work queued there, whose failure it reports), or on an idle one."""
         api = APIS.get(operator.name)
         if api is None:
-            self._fallback(operator, args)
+            self._fallback(operator, plan, args)
             return
         self._enter()
         with self.streams.lend(stream) as acl_stream:
@@ -409,12 +410,12 @@ class NpuBackend:
             raise AclnnError(Status.RUNTIME_ERROR, "the NPU backend is closed")
         self.acl.set_current_context(self._context)
 
-    def _fallback(self, operator: Operator, args: dict[str, Any]) -> None:
+    def _fallback(self, operator: Operator, plan: Plan, args: dict[str, Any]) -> None:
         if operator.name not in self._fallback_logged:
             self._fallback_logged.add(operator.name)
             reason = "has no aclnn API in CANN" if operator.name in NO_ACLNN_API else "has no aclnn binding here yet"
             log.warning("%s %s; the npu backend runs it on the NumPy reference", operator.name, reason)
-        operator.compute(**args)
+        compute_in_range(operator, plan, args, lambda: operator.compute(**args))
 
     def _prepare(self, api: AclnnApi, plan: Plan, args: dict[str, Any]) -> _Prepared:
         """The plan's executor and buffers: made on the plan's first compute, reused after."""
