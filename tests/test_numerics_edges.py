@@ -43,7 +43,7 @@ def run_everywhere(clients: dict, op: str, p: dict) -> dict[str, dict[str, np.nd
     backend -> output name -> result."""
     results = {}
     for name, client in clients.items():
-        q = {k: (v.copy() if isinstance(v, np.ndarray) else v) for k, v in p.items()}
+        q = {k: (v.copy(order="K") if isinstance(v, np.ndarray) else v) for k, v in p.items()}  # layouts kept
         with warnings.catch_warnings():
             warnings.simplefilter("error", RuntimeWarning)
             client.run(op, **q)
@@ -92,9 +92,9 @@ def test_group_norm_far_from_zero_small_spread(clients, rng):
 # --- intermediates out of fp32's range (finite inputs) --------------------------------------------
 
 
-@pytest.mark.parametrize("scale", [1e19, 3e37, 1e-30])
+@pytest.mark.parametrize("scale", [5e19, 3e37, 1e-30])
 def test_rms_norm_and_layer_norm_near_the_range_limits(clients, rng, scale):
-    """x² overflows (near 1e19) or underflows (1e-30, eps 0) in fp32: y is still about ±1."""
+    """x² overflows (beyond 1.8e19) or underflows (1e-30, eps 0) in fp32: y is still about ±1."""
     x = (rng.uniform(-1, 1, (4, 9)) * scale).astype(np.float32)
     p = rms_norm_call(rng, (4, 9), 1, F32)
     p.update(x=x, epsilon=0.0)
