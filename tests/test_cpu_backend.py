@@ -15,7 +15,7 @@ from aclnn_server import LocalClient
 from aclnn_server.backends import create_backend
 from aclnn_server.backends.cpu import CpuBackend
 from aclnn_server.ops import OPERATORS
-from aclnn_server.registry import Operator
+from aclnn_server.registry import Operator, Plan
 
 LN = "aclnnLayerNormBackward"
 LN_OUTPUTS = ("gradInputOut", "gradWeightOut", "gradBiasOut")
@@ -135,10 +135,11 @@ def test_operator_without_kernel_falls_back(caplog):
         "FakeOp", OPERATORS[LN].signature, OPERATORS[LN].validate, lambda plan: 7, lambda **a: calls.append(a)
     )
     backend = CpuBackend()
+    plan = Plan(inputs={}, outputs={})
     with caplog.at_level(logging.INFO, logger="aclnn_server"):
-        assert backend.workspace_size(fake, None) == 7
-        backend.compute(fake, None, {"x": 1})
-        backend.compute(fake, None, {"x": 2})
+        assert backend.workspace_size(fake, plan) == 7
+        backend.compute(fake, plan, {"x": 1})
+        backend.compute(fake, plan, {"x": 2})
     assert calls == [{"x": 1}, {"x": 2}]
     assert sum("FakeOp runs on the NumPy reference" in r.message for r in caplog.records) == 1
 
