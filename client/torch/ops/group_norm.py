@@ -141,4 +141,5 @@ def group_norm_with_id(
     size = [input.shape[0] * input.shape[1] // num_groups, num_groups, *input.shape[2:]]
     if size[0] * math.prod(size[2:]) == 1:
         raise ValueError(f"Expected more than 1 value per channel when training, got input size {size}")
-    return _group_norm_op(input, num_groups, weight, bias, eps, cid)[0]
+    # aten's group_norm makes the input contiguous before native_group_norm, which needs it
+    return _group_norm_op(input.contiguous(), num_groups, weight, bias, eps, cid)[0]

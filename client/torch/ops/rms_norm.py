@@ -113,4 +113,25 @@ def rms_norm_with_id(
     input: Tensor, normalized_shape: Sequence[int] | int, weight: Tensor | None, eps: float | None, cid: int
 ) -> Tensor:
     shape = [normalized_shape] if isinstance(normalized_shape, int) else list(normalized_shape)
+    _check_rms_norm_inputs(input, shape, weight)
     return _rms_norm_op(input, shape, weight, eps, cid)[0]
+
+
+def _check_rms_norm_inputs(input: Tensor, shape: list[int], weight: Tensor | None) -> None:
+    """torch.rms_norm's checks, with its messages (aten's _fused_rms_norm, the forward here, makes none)."""
+    if not shape:
+        raise RuntimeError(
+            "Expected normalized_shape to be at least 1-dimensional, i.e., containing at least one element, "
+            f"but got normalized_shape = {shape}"
+        )
+    if weight is not None and list(weight.shape) != shape:
+        raise RuntimeError(
+            "Expected weight to be of same shape as normalized_shape, but got weight of shape "
+            f"{list(weight.shape)} and normalized_shape = {shape}"
+        )
+    if input.dim() < len(shape) or list(input.shape[input.dim() - len(shape) :]) != shape:
+        expected = ", ".join(str(d) for d in shape)
+        raise RuntimeError(
+            f"Given normalized_shape={shape}, expected input with shape [*{expected}], "
+            f"but got input of size{list(input.shape)}"
+        )
