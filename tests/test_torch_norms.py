@@ -20,7 +20,7 @@ from test_torch_integration import (
 from torch import nn
 
 from aclnn_client import AclnnError, Client
-from aclnn_client.torch import group_norm, offload_norms, restore_norms, rms_norm
+from aclnn_client.torch import batch_norm, group_norm, offload_norms, restore_norms, rms_norm
 from aclnn_server import LocalClient
 
 
@@ -270,3 +270,23 @@ def test_torch_compile_trains_like_eager():
         assert_same_state(compiled_model, eager, "compiled")
     assert [op for op, _ in client.calls] == ["aclnnRmsNormGrad", "aclnnGroupNormBackward"] * len(xs)
     client.close(), eager_client.close()
+
+
+def test_functional_forms_take_what_pytorch_takes():
+    """Non-contiguous GroupNorm inputs, empty BatchNorm inputs, and the same refusals as torch.rms_norm."""
+    client = LocalClient("numpy")
+    x = torch.randn(2, 5, 6).transpose(1, 2).requires_grad_()
+    y = group_norm(x, 2, client=client)
+    y.backward(torch.ones_like(y))
+    torch.testing.assert_close(y, torch.nn.functional.group_norm(x, 2))
+    for shape, training in (((0,), True), ((0,), False), ((0, 3), True), ((0, 3, 4), True)):
+        c = shape[1] if len(shape) > 1 else 1
+        w = torch.randn(c, requires_grad=True)
+        out = batch_norm(torch.randn(shape), torch.zeros(c), torch.ones(c), w, None, training, client=client)
+        out.sum().backward()
+        assert out.shape == shape and not w.grad.any()
+    for shape, message in (((2, 2), "Given normalized_shape"), ((), "at least 1-dimensional")):
+        with pytest.raises(RuntimeError, match=message):
+            rms_norm(torch.randn(2, 2, 3), shape, client=client)
+    with pytest.raises(RuntimeError, match="weight to be of same shape"):
+        rms_norm(torch.randn(2, 2, 3), (2, 3), torch.ones(3), client=client)
