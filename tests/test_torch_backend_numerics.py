@@ -1,4 +1,4 @@
-"""The torch backend meets SPEC 1.5's tolerances where aten's fp32 kernels alone do not.
+"""The torch backend meets SPEC 1.5's tolerances where aten's fp32 kernels alone would not.
 
 Degenerate LayerNorm rows (a normalized size of 1, where x = mean: gradInput is exactly zero, but
 aten's folded formula leaves rstd-scaled rounding, about 3e-5 for rstd ≈ 316) and long column

@@ -2,7 +2,7 @@
 memory, and how a block is widened to fp32 and stored back in its dtype.
 
 The reference computes in fp32 blocks (`work_dtype`). A computation whose fp32 intermediates
-left fp32's range (a non-finite value from finite data, or a variance small enough for its
+left fp32's range (a non-finite value, or a variance small enough for its
 squares to have underflowed) says so, and its caller repeats it in fp64 (`wide`): fp64 holds the
 square of any fp32 value, so finite inputs then give the true result, rounded once; non-finite
 inputs give what IEEE arithmetic gives on the same formulas in fp64 (`backends.widening`).
