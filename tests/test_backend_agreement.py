@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 import warnings
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -131,13 +131,21 @@ def layer_norm_grad(rng, dtype) -> Case:
     return Case("LayerNormGrad", p, ("pd_x", "pd_gamma", "pd_beta"), lng_reference, ("dy", "x"), {})
 
 
-def batch_norm_backward(rng, dtype) -> Case:
+def batch_norm_layout(rng: np.random.Generator, forward: bool) -> tuple[tuple[int, ...], int | None, int]:
+    """A BatchNorm shape, its format tag (sometimes channel-last, NHWC or NDHWC; aclnnBatchNorm's
+    5-D tensors must be tagged, NCDHW otherwise) and its channel axis."""
     rank = int(rng.integers(2, 7))
     shape = dims(rng, rank)
     fmt = None
     if rank in (4, 5) and rng.random() < 0.4:
         fmt = Format.NHWC if rank == 4 else Format.NDHWC
-    axis = rank - 1 if fmt is not None else 1
+    elif rank == 5 and forward:
+        fmt = Format.NCDHW
+    return shape, fmt, rank - 1 if fmt in (Format.NHWC, Format.NDHWC) else 1
+
+
+def batch_norm_backward(rng, dtype) -> Case:
+    shape, fmt, axis = batch_norm_layout(rng, forward=False)
     p = bn_call(rng, shape, axis, dtype, pick(rng, ["same", "float32"]), bool(rng.integers(2)), mask3(rng))
     for name in ("weight", "runningMean", "runningVar", "saveMean", "saveInvstd"):
         if rng.random() < 0.2:
@@ -299,14 +307,7 @@ def batch_norm_reduce_backward(rng, dtype) -> Case:
 
 
 def batch_norm(rng, dtype) -> Case:
-    rank = int(rng.integers(2, 7))
-    shape = dims(rng, rank)
-    fmt = None
-    if rank in (4, 5) and rng.random() < 0.4:
-        fmt = Format.NHWC if rank == 4 else Format.NDHWC
-    elif rank == 5:
-        fmt = Format.NCDHW
-    axis = rank - 1 if fmt in (Format.NHWC, Format.NDHWC) else 1
+    shape, fmt, axis = batch_norm_layout(rng, forward=True)
     training = bool(rng.integers(2))
     params = pick(rng, FLOAT_DTYPES)
     p = forward_call(rng, shape, axis, dtype, training, params, pick(rng, [params, F32]), None,
@@ -479,12 +480,17 @@ def realize(case: Case, layouts: dict[str, tuple]) -> tuple[dict, dict[str, Plac
 # --- the run ------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def clients():
+def backend_clients() -> Iterator[dict[str, LocalClient]]:
+    """A LocalClient on each backend, closed afterwards (the body of a module fixture)."""
     made = {name: LocalClient(backend=name) for name in BACKENDS}
     yield made
     for client in made.values():
         client.close()
+
+
+@pytest.fixture(scope="module")
+def clients():
+    yield from backend_clients()
 
 
 def run(client: LocalClient, case: Case, layouts: dict) -> tuple[tuple | None, dict[str, np.ndarray]]:

@@ -23,19 +23,14 @@ from layer_norm_forward_cases import layer_norm_forward_call
 from oracle import BF16, assert_close, sentinel_like, t64
 from rms_norm_cases import rms_norm_call, rms_norm_grad_call, rms_norm_grad_reference
 from sync_batch_norm_cases import elemt_call, reduce_call, reduce_reference, stats_call
+from test_backend_agreement import backend_clients
 
-from aclnn_server import LocalClient
-
-BACKENDS = ("numpy", "cpu", "torch")
 F32, F16 = np.dtype(np.float32), np.dtype(np.float16)
 
 
 @pytest.fixture(scope="module")
 def clients():
-    made = {name: LocalClient(backend=name) for name in BACKENDS}
-    yield made
-    for client in made.values():
-        client.close()
+    yield from backend_clients()
 
 
 def run_everywhere(clients: dict, op: str, p: dict) -> dict[str, dict[str, np.ndarray]]:
