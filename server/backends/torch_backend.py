@@ -332,9 +332,10 @@ class TorchBackend:
         counts = self._w(a["counts"]).reshape(-1, 1)
         n = counts.sum()
         mean_all = (counts * mean).sum(0) / n
-        var = (counts * (invstd.square().reciprocal() - eps + (mean - mean_all).square())).sum(0) / n
+        spread = (counts * (invstd.square().reciprocal() + (mean - mean_all).square())).sum(0) / n  # var + eps
+        var = spread - eps
         self._store(a["meanAll"], mean_all)
-        self._store(a["invstdAll"], (var + eps).rsqrt())
+        self._store(a["invstdAll"], spread.rsqrt())
         for name, value in (("runningMean", mean_all), ("runningVar", var * n / (n - 1))):  # unbiased variance
             if a[name] is not None:  # in place: the array holds the current values
                 self._store(a[name], (1 - momentum) * self._w(a[name]) + momentum * value)

@@ -3,7 +3,8 @@
 `mean` and `invstd` are `[devices, C]` (each row one device's aclnnBatchNormStats), `counts`
 `[devices]` its element count per channel. In fp64 (PyTorch's batch_norm_gather_stats_with_counts):
 n = Σcounts, meanAll = Σcountsᵢ·meanᵢ/n, var = Σcountsᵢ·(1/invstdᵢ² − eps + (meanᵢ − meanAll)²)/n,
-invstdAll = 1/√(var + eps); runningMean ← (1 − momentum)·runningMean + momentum·meanAll and
+invstdAll = 1/√(var + eps) (taken without subtracting eps and adding it back, see `gather`);
+runningMean ← (1 − momentum)·runningMean + momentum·meanAll and
 runningVar ← (1 − momentum)·runningVar + momentum·var·n/(n − 1) (the unbiased variance), each in
 place when given. `input` is read for its channel count and dtype only. Checks in the order of
 `norm/sync_batch_norm_gather_stats_with_counts/op_host/op_api/aclnn_batch_norm_gather_stats_with_counts.cpp`.
@@ -84,13 +85,17 @@ def workspace_size(plan: Plan) -> int:
 
 
 def gather(mean: np.ndarray, invstd: np.ndarray, counts: np.ndarray, eps: float) -> tuple[np.ndarray, ...]:
-    """fp64 (meanAll, population variance, total count) of per-device statistics."""
+    """fp64 (meanAll, population variance, var + eps, total count) of per-device statistics.
+
+    var + eps is Σcountsᵢ·(1/invstdᵢ² + (meanᵢ − meanAll)²)/n, the eps the documented formula
+    subtracts from each device and adds back cancelled exactly: with invstdᵢ² far above 1/eps,
+    subtracting and adding it back would lose what 1/invstdᵢ² holds."""
     m, s = mean.astype(np.float64), invstd.astype(np.float64)
     n_i = counts.astype(np.float64)[:, None]
     n = n_i.sum()
     mean_all = (n_i * m).sum(axis=0) / n
-    var = (n_i * (1.0 / (s * s) - eps + np.square(m - mean_all))).sum(axis=0) / n
-    return mean_all, var, n
+    spread = (n_i * (1.0 / (s * s) + np.square(m - mean_all))).sum(axis=0) / n
+    return mean_all, spread - eps, spread, n
 
 
 def compute(input, mean, invstd, runningMean, runningVar, momentum, eps, counts, meanAll, invstdAll) -> bool:
@@ -101,9 +106,9 @@ def compute(input, mean, invstd, runningMean, runningVar, momentum, eps, counts,
         meanAll[...] = 0
         invstdAll[...] = np.nan
         return False
-    mean_all, var, n = gather(mean, invstd, counts, eps)
+    mean_all, var, spread, n = gather(mean, invstd, counts, eps)
     meanAll[...] = mean_all
-    invstdAll[...] = 1.0 / np.sqrt(var + eps)
+    invstdAll[...] = 1.0 / np.sqrt(spread)
     if runningMean is not None:
         runningMean[...] = (1 - momentum) * runningMean.astype(np.float64) + momentum * mean_all
     if runningVar is not None:
