@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import itertools
 import logging
+import subprocess
+import sys
 
 import numba
 import numpy as np
@@ -321,3 +323,15 @@ def test_group_norm_backward_every_mask(cpu, rng, kernels_only, dtype, layout):
         p = group_norm_backward_call(rng, (3, 6, 4, 5), 3, dtype, F32, mask=mask)
         cpu.run("aclnnGroupNormBackward", **(dict(p, input=strided(p["input"])) if layout == "strided" else p))
         check_masked(p, ("gradInput", "gradGammaOut", "gradBetaOut"), group_norm_backward_reference(p))
+
+
+def test_layout_check_reads_no_data():
+    """Whether a view merges into the kernel's shape is decided from its descriptor alone: NumPy's
+    shape setter, asked for a shape the strides cannot give, copied the probe first, reading through
+    made-up strides far outside its one element (a SIGSEGV, seen under the fuzz)."""
+    probe = (
+        "from aclnn_server.backends.cpu._jit import _layout_ready\n"
+        "print(_layout_ready((3, 4, 5), (1 << 38, 0, 1 << 34), (12, 5)), _layout_ready((3, 4, 5), (20, 5, 1), (12, 5)))"
+    )
+    run = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert (run.returncode, run.stdout.split()) == (0, ["False", "True"]), run.stderr[-2000:]

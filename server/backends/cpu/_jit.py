@@ -19,6 +19,7 @@ import functools
 import hashlib
 import importlib
 import importlib.metadata
+import math
 import os
 import pathlib
 import re
@@ -408,29 +409,61 @@ def element_strides(a: np.ndarray) -> tuple[int, ...] | None:
 
 def kernel_ready(a: np.ndarray, shape: tuple[int, ...]) -> np.ndarray | None:
     """`a` as a view of `shape` that the kernels can index, or None (its dims do not merge into
-    that shape without a copy, or a stride is negative or not a whole number of elements)."""
-    v = a.view()
-    try:
-        v.shape = shape
-    except AttributeError:
+    that shape without a copy, or a stride is negative or not a whole number of elements).
+
+    Decided from shape and strides alone (`merged_strides`): NumPy's shape setter, asked for a
+    shape the strides cannot give, copies the array first — through a probe's made-up strides that
+    read far outside its one element (the SIGSEGV in `_layout_ready`), and for real data a whole
+    needless copy."""
+    strides = element_strides(a)
+    merged = None if strides is None else merged_strides(a.shape, strides, shape)
+    if merged is None:
         return None
-    return v if element_strides(v) is not None else None
+    return np.lib.stride_tricks.as_strided(a, shape, tuple(s * a.dtype.itemsize for s in merged))
+
+
+def merged_strides(
+    view_shape: tuple[int, ...], strides: tuple[int, ...], shape: tuple[int, ...]
+) -> tuple[int, ...] | None:
+    """The element strides that give the same elements, in C order, as `shape`, or None when
+    that needs a copy (NumPy's no-copy reshape rule: the old dims that make up a new dim must lie
+    at a fixed stride from one another)."""
+    if math.prod(view_shape) != math.prod(shape):
+        return None
+    if math.prod(shape) <= 1:  # nothing or one element: any strides address it
+        return (0,) * len(shape)
+    old = [(d, s) for d, s in zip(view_shape, strides) if d != 1]
+    new = list(shape)
+    merged = [0] * len(new)
+    oi = ni = 0
+    while ni < len(new) and oi < len(old):
+        oj, nj = oi + 1, ni + 1
+        old_size, new_size = old[oi][0], new[ni]
+        while old_size != new_size:
+            if new_size < old_size:
+                new_size *= new[nj]
+                nj += 1
+            else:
+                old_size *= old[oj][0]
+                oj += 1
+        if any(old[k][1] != old[k + 1][0] * old[k + 1][1] for k in range(oi, oj - 1)):
+            return None
+        merged[nj - 1] = old[oj - 1][1]
+        for k in range(nj - 1, ni, -1):
+            merged[k - 1] = merged[k] * new[k]
+        oi, ni = oj, nj
+    return tuple(m if d > 1 else 0 for m, d in zip(merged, new))
 
 
 def views_ready(plan: Plan, names: tuple[str, ...], shape: tuple[int, ...]) -> bool:
     """Whether the kernels can take the named inputs as views of `shape` (`kernel_ready`), judged
     from their descriptors before any data arrives (a kernel module's `handles`)."""
     descs = [plan.inputs[name] for name in names]
-    return all(_layout_ready(d.dtype, d.shape, d.strides, shape) for d in descs)
+    return all(_layout_ready(d.shape, d.strides, shape) for d in descs)
 
 
 @functools.lru_cache(maxsize=1024)
-def _layout_ready(
-    dtype: np.dtype, view_shape: tuple[int, ...], strides: tuple[int, ...], shape: tuple[int, ...]
-) -> bool:
-    """`views_ready` for one layout, on a zero-storage probe array; cached, as repeated calls (a training
-    step) bring the same few layouts, and probing costs tens of µs a call."""
-    itemsize = dtype.itemsize
-    byte_strides = tuple(s * itemsize if d > 1 else 0 for d, s in zip(view_shape, strides))
-    probe = np.lib.stride_tricks.as_strided(np.zeros(1, dtype), view_shape, byte_strides, writeable=False)
-    return kernel_ready(probe, shape) is not None
+def _layout_ready(view_shape: tuple[int, ...], strides: tuple[int, ...], shape: tuple[int, ...]) -> bool:
+    """`views_ready` for one layout (descriptor strides are elements, never negative); cached, as
+    repeated calls (a training step) bring the same few layouts."""
+    return merged_strides(view_shape, tuple(s if d > 1 else 0 for d, s in zip(view_shape, strides)), shape) is not None
