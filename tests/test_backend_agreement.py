@@ -17,11 +17,13 @@ fuzz, `ACLNN_FUZZ_SEED` another seed; a failure names the operator, case and see
 
 from __future__ import annotations
 
+import math
 import os
 import warnings
 import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from fractions import Fraction
 
 import numpy as np
 import pytest
@@ -271,13 +273,24 @@ def batch_norm_gather_stats(rng, dtype) -> Case:
     names = ("meanAll", "invstdAll", "runningMean", "runningVar")
 
     def reference(p: dict) -> dict:
-        """The suites' merge, but invstdAll without subtracting eps and adding it back (ill-conditioned
-        where invstd² dwarfs 1/eps: docs/operators.md)."""
+        """The suites' merge, but meanAll and invstdAll in exact rational arithmetic: the merge's
+        fp64 loses a spread far below the means, and eps subtracted and added back loses 1/invstd²
+        where invstd² dwarfs 1/eps (docs/operators.md)."""
         ref = gather_reference(p)
-        counts = np.asarray(p["counts"], np.float64)[:, None]
-        m, s = np.asarray(p["mean"], np.float64), np.asarray(p["invstd"], np.float64)
-        spread = (counts * (1 / (s * s) + np.square(m - ref["meanAll"]))).sum(axis=0) / counts.sum()
-        return dict(ref, invstdAll=1 / np.sqrt(spread))
+        if not np.isfinite(np.asarray(p["counts"], np.float64)).all():
+            return ref  # non-finite counts: IEEE's answer, compared among the backends
+        counts = [Fraction(float(c)) for c in p["counts"]]
+        n = sum(counts)
+        mean_all, invstd_all = [], []
+        for m, s in zip(np.asarray(p["mean"], np.float64).T, np.asarray(p["invstd"], np.float64).T):
+            if not (np.isfinite(m).all() and np.isfinite(s).all() and s.all() and n):
+                return ref  # non-finite or zero: IEEE's answer, compared among the backends
+            mu = sum(c * Fraction(float(v)) for c, v in zip(counts, m)) / n
+            spread = sum(c * (1 / Fraction(float(v)) ** 2 + (Fraction(float(a)) - mu) ** 2)
+                         for c, v, a in zip(counts, s, m)) / n  # fmt: skip
+            mean_all.append(float(mu))
+            invstd_all.append(1 / math.sqrt(spread) if spread > 0 else np.inf)
+        return dict(ref, meanAll=np.array(mean_all), invstdAll=np.array(invstd_all))
 
     return Case("aclnnBatchNormGatherStatsWithCounts", p, names, reference, ("mean", "invstd"), {})
 

@@ -331,8 +331,10 @@ class TorchBackend:
         mean, invstd = self._w(a["mean"]), self._w(a["invstd"])
         counts = self._w(a["counts"]).reshape(-1, 1)
         n = counts.sum()
-        mean_all = (counts * mean).sum(0) / n
-        spread = (counts * (invstd.square().reciprocal() + (mean - mean_all).square())).sum(0) / n  # var + eps
+        deviation = mean - mean[:1]  # from the first device's means, as the reference (`gather`)
+        offset = (counts * deviation).sum(0) / n
+        mean_all = mean[0] + offset
+        spread = (counts * (invstd.square().reciprocal() + (deviation - offset).square())).sum(0) / n  # var + eps
         var = spread - eps
         self._store(a["meanAll"], mean_all)
         self._store(a["invstdAll"], spread.rsqrt())

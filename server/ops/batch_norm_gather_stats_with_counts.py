@@ -89,13 +89,15 @@ def gather(mean: np.ndarray, invstd: np.ndarray, counts: np.ndarray, eps: float)
 
     var + eps is Σcountsᵢ·(1/invstdᵢ² + (meanᵢ − meanAll)²)/n, the eps the documented formula
     subtracts from each device and adds back cancelled exactly: with invstdᵢ² far above 1/eps,
-    subtracting and adding it back would lose what 1/invstdᵢ² holds."""
+    subtracting and adding it back would lose what 1/invstdᵢ² holds. The means are taken relative
+    to the first device's (exact differences near it), so a spread far below the means survives."""
     m, s = mean.astype(np.float64), invstd.astype(np.float64)
     n_i = counts.astype(np.float64)[:, None]
     n = n_i.sum()
-    mean_all = (n_i * m).sum(axis=0) / n
-    spread = (n_i * (1.0 / (s * s) + np.square(m - mean_all))).sum(axis=0) / n
-    return mean_all, spread - eps, spread, n
+    first = m[0]
+    offset = (n_i * (m - first)).sum(axis=0) / n  # meanAll − first
+    spread = (n_i * (1.0 / (s * s) + np.square(m - first - offset))).sum(axis=0) / n
+    return first + offset, spread - eps, spread, n
 
 
 def compute(input, mean, invstd, runningMean, runningVar, momentum, eps, counts, meanAll, invstdAll) -> bool:
