@@ -12,7 +12,8 @@ with the op itself in float64 on the same values: each must be within SPEC 1.5's
 dtype, or within twice PyTorch's own error in that dtype where that is larger (a tolerance no
 tighter than PyTorch meets). Each error input must raise what PyTorch raises (type and message).
 
-fp64 is not a dtype the service serves: FP64_EXPECTED says what aclnn_client.torch does with it.
+fp64 is not a dtype the service serves: those samples must give PyTorch's own results, computed
+here, with a NotServedWarning.
 """
 
 from __future__ import annotations
@@ -24,14 +25,11 @@ import torch
 
 from aclnn_client import Client
 from aclnn_client.torch import batch_norm, group_norm, layer_norm, rms_norm
+from aclnn_client.torch.local import NotServedWarning
 from aclnn_server import LocalClient, ServerOptions, create_server
 
-# What fp64 samples do. Issue 24 (item 7) decides it for aclnn_client.torch: the expectation here is
-# that such a call runs wholly in PyTorch, locally, with a warning, giving PyTorch's own results.
-# Until that lands the fp64 cases are expected to fail (strict: they turn red once it works, and
-# this marker goes); to follow another rule, change `fp64_expectation`.
-FP64_PENDING = "issue 24 item 7: fp64 runs locally in PyTorch with one warning (not landed yet)"
-
+# fp64 is not a dtype the service serves: such a call runs PyTorch's own implementation, here,
+# forward and backward, with a NotServedWarning (docs/torch.md; aclnn_client.torch.local).
 TOLERANCES = {torch.float32: (1e-4, 1e-5), torch.float16: (2e-3, 1e-4), torch.bfloat16: (1.6e-2, 1e-3)}
 CLIENTS = ("local-numpy", "local-cpu", "server")
 
@@ -173,7 +171,6 @@ def test_opinfo_samples_match_pytorch(clients, name, dtype):
         check_sample(op, name, clients, sample.noncontiguous(), dtype, f"{where} (non-contiguous)")
 
 
-@pytest.mark.xfail(strict=True, reason=FP64_PENDING)
 @pytest.mark.parametrize("name", list(FORMS))
 def test_opinfo_fp64_samples_run_in_pytorch(clients, name):
     """fp64 runs in PyTorch, locally: PyTorch's own results, and a warning saying so."""
@@ -183,7 +180,7 @@ def test_opinfo_fp64_samples_run_in_pytorch(clients, name):
             own = outcome(op.op, sample, torch.float64, index)
         except Exception:
             continue  # PyTorch rejects it itself (the other dtypes' test covers rejections)
-        with pytest.warns(Warning):
+        with pytest.warns(NotServedWarning):
             ours = outcome(lambda *a, **k: FORMS[name](clients["server"], *a, **k), sample, torch.float64, index)
         assert ours.keys() == own.keys()
         for key, value in own.items():
