@@ -22,10 +22,11 @@ KERNEL_TESTS = ("tests/test_cpu_backend.py", "tests/test_cpu_norm_kernels.py", "
 
 
 def boundscheck_env() -> dict[str, str]:
+    """Bounds checks on, and a kernel cache root of their own beside the regular one (keyed and
+    pruned like it, by the code version)."""
     from aclnn_server.backends.cpu import _jit
 
-    cache = _jit.configure_cache() or os.path.join(os.environ.get("TMPDIR", "/tmp"), "aclnn-serve-numba")
-    return dict(os.environ, NUMBA_BOUNDSCHECK="1", NUMBA_CACHE_DIR=f"{cache}-boundscheck")
+    return dict(os.environ, NUMBA_BOUNDSCHECK="1", NUMBA_CACHE_DIR=f"{_jit.cache_root()}-boundscheck")
 
 
 @pytest.mark.slow  # the first run on a machine compiles every kernel again, with bounds checks (minutes)
