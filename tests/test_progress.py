@@ -97,8 +97,10 @@ def test_grpc_streams_have_progress_deadlines(serve, rng):
         yield pb.TensorChunk(total_size=64 * MIB, offset=0, data=bytes(1024))
         release.wait(60)
 
+    # Without BDP probing the client's receive window stays at its initial size, so an unread download
+    # cannot land in this process's buffers whole (where the server would have nothing left to send).
     try:
-        with grpc.insecure_channel(served.address) as channel:
+        with grpc.insecure_channel(served.address, options=[("grpc.http2.bdp_probe", 0)]) as channel:
             stub = pb_grpc.AclnnStub(channel)
             started = time.monotonic()
             with pytest.raises(grpc.RpcError) as stopped:
