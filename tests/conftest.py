@@ -24,6 +24,10 @@ from aclnn_server.backends.npu import NpuBackend
 
 # Backends every conformance test runs on; a new backend joins the suite by being listed here.
 BACKENDS = ("numpy", "cpu")
+# The torch backend's device in the torch tests: cpu here and in CI; bench/gpu.py runs them again on
+# cuda:0, where the cross-backend tests leave the cpu backend out (its kernels compile for minutes).
+TORCH_DEVICE = os.environ.get("ACLNN_TORCH_DEVICE", "cpu")
+CROSS_BACKENDS = ("numpy", "cpu", "torch") if TORCH_DEVICE == "cpu" else ("numpy", "torch")
 # How long the session-start compile of the cpu kernels may take (it took 7.3 minutes on a busy 2-core
 # machine; 3 minutes of CPU) before the run stops, saying so.
 KERNEL_COMPILE_LIMIT_S = 1800

@@ -31,6 +31,7 @@ from batch_norm_cases import DATA_TYPES, bn_call, bn_reference
 from batch_norm_cases import elemt_call as elemt_backward_call
 from batch_norm_cases import elemt_reference as elemt_backward_reference
 from batch_norm_forward_cases import forward_call
+from conftest import CROSS_BACKENDS, TORCH_DEVICE
 from group_norm_cases import group_norm_backward_call, group_norm_backward_reference, group_norm_call
 from layer_norm_cases import layer_norm_call, layer_norm_reference
 from layer_norm_forward_cases import layer_norm_forward_call
@@ -53,7 +54,8 @@ from aclnn_server import LocalClient
 FUZZ_CASES = 12
 CASES = int(os.environ.get("ACLNN_FUZZ_CASES", FUZZ_CASES))
 SEED = int(os.environ.get("ACLNN_FUZZ_SEED", 30))
-BACKENDS = ("numpy", "cpu", "torch")
+BACKENDS = CROSS_BACKENDS
+REPEATED = BACKENDS[1]  # the backend whose repeat must be bit-identical: cpu, or torch on a GPU
 F32 = np.dtype(np.float32)
 GARBAGE = -3.5  # what fills a strided input's gaps (never read)
 SENTINEL = -7.25  # what fills an output's storage (its gaps must keep it)
@@ -505,7 +507,7 @@ def realize(case: Case, layouts: dict[str, tuple]) -> tuple[dict, dict[str, Plac
 
 def backend_clients() -> Iterator[dict[str, LocalClient]]:
     """A LocalClient on each backend, closed afterwards (the body of a module fixture)."""
-    made = {name: LocalClient(backend=name) for name in BACKENDS}
+    made = {name: LocalClient(backend=name, torch_device=TORCH_DEVICE) for name in BACKENDS}
     yield made
     for client in made.values():
         client.close()
@@ -580,9 +582,9 @@ def fuzz_case(clients: dict, op: str, index: int) -> None:
         status, written = run(client, case, layouts)
         assert status is None, f"{where}: {name} failed with {status}"
         results[name] = written
-    repeat = run(clients["cpu"], case, layouts)[1]
+    repeat = run(clients[REPEATED], case, layouts)[1]
     for name, a in repeat.items():
-        assert a.tobytes() == results["cpu"][name].tobytes(), f"{where}: cpu repeat differs in {name}"
+        assert a.tobytes() == results[REPEATED][name].tobytes(), f"{where}: {REPEATED} repeat differs in {name}"
     finite_inputs = all(np.isfinite(case.call[n]).all() for n in float_inputs(case))
     with np.errstate(all="ignore"):
         reference = case.reference(case.call)

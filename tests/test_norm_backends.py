@@ -22,6 +22,7 @@ import test_layer_norm_forward
 import test_rms_norm
 import test_sync_batch_norm
 from batch_norm_forward_cases import check, forward_call, forward_reference, snapshot
+from conftest import TORCH_DEVICE
 from group_norm_cases import group_norm_backward_call, group_norm_call
 from layer_norm_forward_cases import layer_norm_forward_call
 from oracle import BF16, assert_close
@@ -110,7 +111,7 @@ def no_reference(monkeypatch):
 
 @pytest.fixture(scope="module")
 def torch_client():
-    with LocalClient(TorchBackend("cpu")) as c:
+    with LocalClient(TorchBackend(TORCH_DEVICE)) as c:
         yield c
 
 

@@ -1,7 +1,7 @@
 """The torch backend (aten ops on CPU) against the operator conformance suites.
 
-The suites run through LocalClient(backend=TorchBackend("cpu")) and through a real gRPC
-server whose engine holds another TorchBackend.
+The suites run through LocalClient(backend=TorchBackend(TORCH_DEVICE)) and through a real gRPC
+server whose engine holds another TorchBackend (cpu, or the device in $ACLNN_TORCH_DEVICE).
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import sys
 import numpy as np
 import pytest
 from conformance import collect_into
+from conftest import TORCH_DEVICE
 from layer_norm_cases import layer_norm_call, layer_norm_reference
 from oracle import assert_close
 
@@ -24,12 +25,12 @@ collect_into(globals())
 
 @pytest.fixture(scope="module")
 def torch_backend():
-    return TorchBackend("cpu")
+    return TorchBackend(TORCH_DEVICE)
 
 
 @pytest.fixture(scope="module")
 def server_address():
-    server, port, _ = create_server(ServerOptions(host="127.0.0.1", port=0), engine=Engine(TorchBackend("cpu")))
+    server, port, _ = create_server(ServerOptions(host="127.0.0.1", port=0), engine=Engine(TorchBackend(TORCH_DEVICE)))
     server.start()
     yield f"127.0.0.1:{port}"
     server.stop(None).wait()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from batch_norm_cases import BN_OUTPUTS, bn_call, bn_reference
+from conftest import TORCH_DEVICE
 from layer_norm_cases import layer_norm_call, layer_norm_reference
 from oracle import BF16, assert_close
 from test_layer_norm_grad import check as check_layer_norm_grad
@@ -23,7 +24,7 @@ LN_OUTPUTS = ("gradInputOut", "gradWeightOut", "gradBiasOut")
 
 @pytest.fixture(scope="module")
 def client():
-    with LocalClient(TorchBackend("cpu")) as c:
+    with LocalClient(TorchBackend(TORCH_DEVICE)) as c:
         yield c
 
 
