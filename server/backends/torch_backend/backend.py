@@ -108,13 +108,15 @@ class TorchBackend:
                 memory.after_launches(blocks, cuda_stream)
             values = dict(plan.values) | {name: views[name] for name in plan.inputs}
             shapes = {name: desc.shape for name, desc in plan.outputs.items()}
+            into = _destinations(torch, plan, resident, views)
             if stream is None:
-                call = self._computed(formula=FORMULAS[operator.name], plan=plan, values=values, shapes=shapes)
+                call = self._computed(FORMULAS[operator.name], plan, values, shapes, into)
             else:  # queued: no flag read back (see the module docstring)
-                call = Call(torch, values, shapes, wide=False)
+                call = Call(torch, values, shapes, wide=False, destinations=into)
                 FORMULAS[operator.name](call, plan)
             for name, value in call.results.items():  # after every result is computed: outputs may alias inputs
-                views[name].copy_(value.reshape(views[name].shape))
+                if name not in into or value.data_ptr() != views[name].data_ptr():
+                    views[name].copy_(value.reshape(views[name].shape))
             if cuda_stream is None:
                 return
             if stream is None:
@@ -140,10 +142,12 @@ class TorchBackend:
 
     # ------------------------------------------------------------------ helpers
 
-    def _computed(self, formula: Formula, plan: Plan, values: dict[str, Any], shapes: dict[str, Any]) -> Call:
+    def _computed(
+        self, formula: Formula, plan: Plan, values: dict[str, Any], shapes: dict[str, Any], into: Any = None
+    ) -> Call:
         """The call computed in fp32, or, when fp32 could not hold it, in fp64 on `wide_device`."""
         torch = self.torch
-        call = Call(torch, values, shapes, wide=False)
+        call = Call(torch, values, shapes, wide=False, destinations=into)
         formula(call, plan)
         flag = call.out_of_range()
         if flag is None or not bool(flag):
@@ -156,6 +160,24 @@ class TorchBackend:
 
 def _dtype(torch: Any, out: np.ndarray) -> Any:
     return torch_dtype(torch, out.dtype)
+
+
+def _destinations(
+    torch: Any, plan: Plan, resident: dict[str, tuple[TorchBlock, int]], views: dict[str, Any]
+) -> dict[str, Any]:
+    """Outputs a formula may write its last step into: fp32, contiguous, no input, and no byte shared
+    with an input's storage (so that writing them early changes nothing the call still reads)."""
+    spans = [(resident[n][0], resident[n][1], resident[n][1] + d.storage_nbytes) for n, d in plan.inputs.items()]
+    found = {}
+    for name, desc in plan.outputs.items():
+        view = views[name]
+        if name in plan.inputs or view.dtype != torch.float32 or not view.is_contiguous():
+            continue
+        block, start = resident[name]
+        end = start + desc.storage_nbytes
+        if not any(b is block and start < e and s < end for b, s, e in spans):
+            found[name] = view
+    return found
 
 
 def _view(torch: Any, block: TorchBlock, offset: int, desc: Any) -> Any:

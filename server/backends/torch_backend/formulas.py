@@ -29,13 +29,22 @@ CHANNEL_LAST_RANK = {1: 4, 27: 5}  # aclFormat NHWC -> rank 4, NDHWC -> rank 5
 
 
 class Call:
-    """One call's tensors and values (`a`), the enabled outputs' shapes, and the results so far."""
+    """One call's tensors and values (`a`), the enabled outputs' shapes, and the results so far.
+    `destinations`: outputs a formula may write its last step into (`into`), in the work dtype."""
 
-    def __init__(self, torch: Any, args: Mapping[str, Any], outputs: Mapping[str, tuple[int, ...]], wide: bool):
+    def __init__(
+        self,
+        torch: Any,
+        args: Mapping[str, Any],
+        outputs: Mapping[str, tuple[int, ...]],
+        wide: bool,
+        destinations: Mapping[str, Any] | None = None,
+    ):
         self.torch = torch
         self.a = args
         self.outputs = outputs
         self.wide = wide
+        self.destinations = {} if wide or destinations is None else destinations
         self.work = torch.float64 if wide else torch.float32
         self.results: dict[str, Any] = {}
         self._flags: list[Any] = []  # device booleans: fp32 could not hold a square
@@ -51,6 +60,11 @@ class Call:
 
     def wants(self, name: str) -> bool:
         return name in self.outputs
+
+    def into(self, name: str, shape: tuple[int, ...]) -> Any:
+        """The output's own (contiguous, work-dtype) memory seen as `shape`, for a last step's out=; or None."""
+        t = self.destinations.get(name)
+        return None if t is None else t.view(shape)
 
     def store(self, name: str, value: Any) -> None:
         if name in self.outputs:
@@ -113,35 +127,48 @@ def per_channel(c: Call, name: str, n: int, default: float) -> Any:
     return c.full(n, default) if t is None or t.numel() == 0 else t.reshape(n)
 
 
-def input_gradient(c: Call, gw: Any, xhat: Any, rstd: Any) -> Any:
+def input_gradient(c: Call, gw: Any, xhat: Any, rstd: Any, dot: Any = None, into: Any = None) -> Any:
     """(g·w − mean(g·w) − x̂·mean(g·w·x̂))·rstd along the rows of [M, N]: SPEC's formula as written, not
-    aten's folded a·g·w + b·x + c (with N = 1, or x̂ = 0, the bracket cancels exactly)."""
+    aten's folded a·g·w + b·x + c (with N = 1, or x̂ = 0, the bracket cancels exactly). `dot`: Σ g·w·x̂
+    per row when the caller has it; `into`: where the result goes."""
     n = gw.shape[1]
-    mean_gw_xhat = (gw * xhat).sum(1, keepdim=True) / n
+    mean_gw_xhat = (dot if dot is not None else (gw * xhat).sum(1, keepdim=True)) / n
     if c.wide:  # fp64 holds a constant row's sum exactly
         centered = gw - gw.sum(1, keepdim=True) / n
-    else:  # about each row's first value: a constant row is exactly its own mean in fp32 too
-        centered = gw - gw[:, :1]
-        centered -= centered.sum(1, keepdim=True) / n
-    return centered.addcmul_(xhat, mean_gw_xhat, value=-1).mul_(rstd)
+        return centered.addcmul_(xhat, mean_gw_xhat, value=-1).mul_(rstd)
+    # About each row's first value: a constant row is exactly its own mean in fp32 too.
+    shifted = gw - gw[:, :1]
+    mean_shifted = shifted.sum(1, keepdim=True) / n
+    shifted.addcmul_(xhat, mean_gw_xhat, value=-1)
+    return c.torch.addcmul(-(mean_shifted * rstd), shifted, rstd, out=into)
 
 
 def normalized_rows(c: Call, x: Any, eps: float) -> tuple[Any, Any, Any]:
-    """(x̂, mean, rstd) along the last axis, population variance. fp32: about the rounded mean μ, its
-    rounding corrected by mean(x − μ) in the mean, the variance and x̂ (as the reference does;
-    x̂ = ((x − μ) − mean(x − μ))·rstd)."""
-    mean = x.mean(-1, keepdim=True)  # wide: the plain mean (an Inf stays one)
-    centered = x - mean
+    """(x̂, mean, rstd) along the last axis, population variance. fp32: the mean μ and variance in one
+    pass (Welford's, accurate when the mean dwarfs the spread), the rounding of μ corrected by
+    mean(x − μ) in the mean and x̂ (as the reference does); wide: the plain mean (an Inf stays one)."""
     if c.wide:
-        var = centered.square().mean(-1, keepdim=True)
-    else:
-        lost = centered.mean(-1, keepdim=True)
-        var = (centered.square().mean(-1, keepdim=True) - lost * lost).clamp_(min=0)
-        c.check_squares(var + eps)
-    rstd = 1.0 / (var + eps).sqrt()
-    if c.wide:
+        mean = x.mean(-1, keepdim=True)
+        centered = x - mean
+        rstd = 1.0 / (centered.square().mean(-1, keepdim=True) + eps).sqrt()
         return centered.mul_(rstd), mean, rstd
-    return centered.sub_(lost).mul_(rstd), mean + lost, rstd
+    var, mean = c.torch.var_mean(x, -1, correction=0, keepdim=True)
+    c.check_squares(var + eps)
+    rstd = 1.0 / (var + eps).sqrt()
+    centered = x - mean
+    lost = centered.mean(-1, keepdim=True)
+    return c.torch.addcmul(-lost * rstd, centered, rstd), mean + lost, rstd
+
+
+def scaled(c: Call, y: Any, w: Any, b: Any, into: Any) -> Any:
+    """y·w + b (either may be None); with both, in fp32 one rounding, into `into` when given."""
+    if w is not None and b is not None and not c.wide:
+        return c.torch.addcmul(b, y, w, out=into)
+    if w is not None:
+        y *= w
+    if b is not None:
+        y += b
+    return y
 
 
 def channel_moments(c: Call, x: Any) -> tuple[Any, Any, Any, Any]:
@@ -184,15 +211,19 @@ def layer_norm_backward(c: Call, plan: Plan) -> None:
         c.fill("gradBiasOut", 0)
         return
     xt, gt = c.w("input").reshape(m, n), c.w("gradOut").reshape(m, n)
-    rstd = c.w("rstd").reshape(m, 1)
+    rstd, w = c.w("rstd").reshape(m, 1), c.w("weightOptional")
     xhat = (xt - c.w("mean").reshape(m, 1)).mul_(rstd)
-    if c.wants("gradInputOut"):
-        w = c.w("weightOptional")
-        c.store("gradInputOut", input_gradient(c, gt if w is None else gt * w.reshape(1, n), xhat, rstd))
+    # The parameter gradients first: an in-place gradInput (over gradOut's storage) is written last.
+    gx = gt * xhat if c.wants("gradWeightOut") or (c.wants("gradInputOut") and w is None) else None
     if c.wants("gradWeightOut"):
-        c.store("gradWeightOut", column_sums(c, gt * xhat))
+        c.store("gradWeightOut", column_sums(c, gx))
     if c.wants("gradBiasOut"):
         c.store("gradBiasOut", column_sums(c, gt))
+    if c.wants("gradInputOut"):
+        gw = gt if w is None else gt * w.reshape(1, n)
+        dot = gx.sum(1, keepdim=True) if w is None else None  # Σ g·x̂: no weight, no second product
+        into = c.into("gradInputOut", (m, n))
+        c.store("gradInputOut", input_gradient(c, gw, xhat, rstd, dot, into))
 
 
 def layer_norm_grad(c: Call, plan: Plan) -> None:
@@ -287,12 +318,8 @@ def layer_norm(c: Call, plan: Plan) -> None:
         c.fill("rstdOutOptional", math.nan)
         return
     y, mean, rstd = normalized_rows(c, c.w("input").reshape(m, n), float(c.a["eps"]))
-    w, b = c.w("weightOptional"), c.w("biasOptional")
-    if w is not None:
-        y *= w.reshape(1, n)
-    if b is not None:
-        y += b.reshape(1, n)
-    c.store("out", y)
+    w, b = (None if t is None else t.reshape(1, n) for t in (c.w("weightOptional"), c.w("biasOptional")))
+    c.store("out", scaled(c, y, w, b, c.into("out", (m, n))))
     c.store("meanOutOptional", mean)
     c.store("rstdOutOptional", rstd)
 
@@ -302,11 +329,14 @@ def rms_norm(c: Call, plan: Plan) -> None:
     m = x.numel() // n
     if m == 0:
         return
-    xt = c.w("x").reshape(m, n)
-    squares = xt.square().mean(1, keepdim=True) + float(c.a["epsilon"])
-    c.check_squares(squares)
+    xt, torch = c.w("x").reshape(m, n), c.torch
+    if c.wide:
+        squares = xt.square().mean(1, keepdim=True) + float(c.a["epsilon"])
+    else:  # one pass: the norm's square (its rounding is below fp32's tolerance)
+        squares = torch.linalg.vector_norm(xt, dim=1, keepdim=True).square_() / n + float(c.a["epsilon"])
+        c.check_squares(squares)
     rstd = squares.rsqrt()
-    c.store("yOut", (xt * rstd).mul_(c.w("gamma").reshape(1, n)))
+    c.store("yOut", torch.mul(xt * rstd, c.w("gamma").reshape(1, n), out=c.into("yOut", (m, n))))
     c.store("rstdOut", rstd)
 
 
@@ -331,12 +361,8 @@ def group_norm(c: Call, plan: Plan) -> None:
         return
     n, n_c, hxw, group = (int(c.a[k]) for k in ("N", "C", "HxW", "group"))
     xhat, mean, rstd = normalized_rows(c, c.w("self").reshape(n, group, -1), float(c.a["eps"]))
-    y = xhat.reshape(n, n_c, hxw)
-    if c.a.get("gamma") is not None:
-        y *= c.w("gamma").reshape(1, n_c, 1)
-    if c.a.get("beta") is not None:
-        y += c.w("beta").reshape(1, n_c, 1)
-    c.store("out", y)
+    w, b = (None if t is None else t.reshape(1, n_c, 1) for t in (c.w("gamma"), c.w("beta")))
+    c.store("out", scaled(c, xhat.reshape(n, n_c, hxw), w, b, c.into("out", (n, n_c, hxw))))
     c.store("meanOut", mean)
     c.store("rstdOut", rstd)
 
