@@ -112,7 +112,7 @@ def aten_eval_batch_norm_backward() -> str:
     return "\n".join(lines)
 
 
-def timings(device: str, rows: int, cols: int, rounds: int) -> dict[str, float]:
+def timings(device: str, rows: int, cols: int, rounds: int, profile: bool = False) -> dict[str, float]:
     rng = np.random.default_rng(0)
     x = rng.standard_normal((rows, cols), dtype=np.float32)
     dy = rng.standard_normal((rows, cols), dtype=np.float32)
@@ -162,6 +162,14 @@ def timings(device: str, rows: int, cols: int, rounds: int) -> dict[str, float]:
 
     with torch.no_grad():
         ms["kernel alone: the backend's formula"] = event_ms(formula, 50)
+        if profile and torch.cuda.is_available():  # where the formula's time goes, kernel by kernel
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                formula()
+                torch.cuda.synchronize()
+            try:
+                print(prof.key_averages().table(sort_by="device_time_total", row_limit=20), flush=True)
+            except Exception as exc:  # the profiler's table names vary across torch versions
+                print(f"(no kernel table: {exc})")
 
     def on_device(c):
         bufs = {name: c.malloc(a.nbytes) for name, a in (("x", x), ("dy", dy), ("dx", x))}
@@ -252,6 +260,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--tests-timeout", type=int, default=150, help="seconds for each group of tests")
     parser.add_argument("--skip-tests", action="store_true")
+    parser.add_argument("--profile", action="store_true", help="list the formula's CUDA kernels")
     parser.add_argument("--skip-timings", action="store_true")
     parser.add_argument("--out", type=pathlib.Path, default=None, help="a folder for the logs and results.json")
     options = parser.parse_args()
@@ -269,7 +278,7 @@ def main() -> int:
         report["aten_eval_batch_norm"] = aten_eval_batch_norm_backward()
         print(report["aten_eval_batch_norm"], flush=True)
     if not options.skip_timings:
-        ms = timings(options.device, options.rows, options.cols, options.rounds)
+        ms = timings(options.device, options.rows, options.cols, options.rounds, options.profile)
         report["timings_ms"] = ms
         print(f"\nLayerNorm backward {options.rows}x{options.cols} fp32 on {card}, medians:")
         for name, value in ms.items():
