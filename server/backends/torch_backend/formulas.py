@@ -414,9 +414,10 @@ def batch_norm_gather_stats(c: Call, plan: Plan) -> None:
     counts = c.f64("counts").reshape(-1, 1)
     n = counts.sum()
     mean_all = (counts * mean).sum(0) / n
-    var = (counts * (invstd.square().reciprocal() - eps + (mean - mean_all).square())).sum(0) / n
+    spread = (counts * (invstd.square().reciprocal() + (mean - mean_all).square())).sum(0) / n  # var + eps
+    var = spread - eps
     c.store("meanAll", mean_all)
-    c.store("invstdAll", (var + eps).rsqrt())
+    c.store("invstdAll", spread.rsqrt())
     for name, value in (("runningMean", mean_all), ("runningVar", var * n / (n - 1))):  # unbiased variance
         if c.a.get(name) is not None:  # in/out: the input holds the current values
             c.store(name, (1 - momentum) * c.f64(name) + momentum * value)
