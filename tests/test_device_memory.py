@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 
 import grpc
 import numpy as np
@@ -16,15 +17,38 @@ from aclnn_common._proto import aclnn_pb2_grpc as pb_grpc
 from aclnn_common.device import DeviceBuffer
 from aclnn_server import LocalClient
 
+# The tests that take any backend's `device_client`: the modules for the torch and NPU backends'
+# memory run them again with their own (`collect_into`, `clients_of`).
+ANY_BACKEND = (
+    "test_transfers_round_trip",
+    "test_fresh_memory_is_zero",
+    "test_bad_transfers_are_refused",
+    "test_layer_norm_forward_and_backward_stay_on_the_server",
+    "test_host_outputs_and_executors_on_device_inputs",
+    "test_device_bounds_are_checked_like_any_storage",
+    "test_free_while_queued_is_safe",
+)
+
+
+def collect_into(namespace: dict) -> None:
+    for name in ANY_BACKEND:
+        namespace[name] = globals()[name]
+
+
+def clients_of(request: pytest.FixtureRequest, backend: object, address_fixture: str) -> Iterator:
+    """A `device_client` fixture's body for a backend (or its name): in process, or through the server that
+    the fixture `address_fixture` runs (gRPC alone, or with the data channel)."""
+    if request.param == "local":
+        c = LocalClient(backend)
+    else:
+        c = Client(request.getfixturevalue(address_fixture), data_channel=request.param == "data-channel")
+    yield c
+    c.close()
+
 
 @pytest.fixture(params=["grpc", "data-channel", "local"])
 def device_client(request: pytest.FixtureRequest, backend: str):
-    if request.param == "local":
-        c = LocalClient(backend=backend)
-    else:
-        c = Client(request.getfixturevalue("server_address"), data_channel=request.param == "data-channel")
-    yield c
-    c.close()
+    yield from clients_of(request, backend, "server_address")
 
 
 def on_device(buf: DeviceBuffer, shape: tuple[int, ...], data_type: int = DataType.FLOAT):

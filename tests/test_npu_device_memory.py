@@ -29,26 +29,12 @@ LN = "aclnnLayerNorm"
 ROWS, COLS = 8, 32
 
 # The device-memory suite, run here again with this module's `device_client` (NPU memory).
-for _name in (
-    "test_transfers_round_trip",
-    "test_fresh_memory_is_zero",
-    "test_bad_transfers_are_refused",
-    "test_layer_norm_forward_and_backward_stay_on_the_server",
-    "test_host_outputs_and_executors_on_device_inputs",
-    "test_device_bounds_are_checked_like_any_storage",
-    "test_free_while_queued_is_safe",
-):
-    globals()[_name] = getattr(suite, _name)
+suite.collect_into(globals())
 
 
 @pytest.fixture(params=["grpc", "data-channel", "local"])
 def device_client(request: pytest.FixtureRequest, npu_backend):
-    if request.param == "local":
-        c = LocalClient(npu_backend)
-    else:
-        c = Client(request.getfixturevalue("npu_address"), data_channel=request.param == "data-channel")
-    yield c
-    c.close()
+    yield from suite.clients_of(request, npu_backend, "npu_address")
 
 
 class TenantClient(LocalClient):

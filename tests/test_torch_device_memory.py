@@ -18,7 +18,7 @@ from oracle import BF16, assert_close
 from test_device_memory import on_device
 from test_norm_backends import CASES
 
-from aclnn_client import Client, DataType, Format, create_tensor
+from aclnn_client import DataType, Format, create_tensor
 from aclnn_common.tensor import Tensor
 from aclnn_common.types import data_type_of
 from aclnn_server import Engine, LocalClient, ServerOptions, create_server
@@ -26,16 +26,7 @@ from aclnn_server.backends.torch_backend import TorchBackend
 from aclnn_server.ops import OPERATORS
 
 # The device-memory suite, run here again with this module's `device_client` (torch memory).
-for _name in (
-    "test_transfers_round_trip",
-    "test_fresh_memory_is_zero",
-    "test_bad_transfers_are_refused",
-    "test_layer_norm_forward_and_backward_stay_on_the_server",
-    "test_host_outputs_and_executors_on_device_inputs",
-    "test_device_bounds_are_checked_like_any_storage",
-    "test_free_while_queued_is_safe",
-):
-    globals()[_name] = getattr(suite, _name)
+suite.collect_into(globals())
 
 
 @pytest.fixture(scope="module")
@@ -53,12 +44,7 @@ def torch_address(torch_backend):
 
 @pytest.fixture(params=["grpc", "data-channel", "local"])
 def device_client(request: pytest.FixtureRequest, torch_backend):
-    if request.param == "local":
-        c = LocalClient(torch_backend)
-    else:
-        c = Client(request.getfixturevalue("torch_address"), data_channel=request.param == "data-channel")
-    yield c
-    c.close()
+    yield from suite.clients_of(request, torch_backend, "torch_address")
 
 
 def _compared(p: dict, names: tuple[str, ...], reference) -> Callable[[], None]:
