@@ -413,8 +413,10 @@ def batch_norm_gather_stats(c: Call, plan: Plan) -> None:
     mean, invstd = c.f64("mean"), c.f64("invstd")
     counts = c.f64("counts").reshape(-1, 1)
     n = counts.sum()
-    mean_all = (counts * mean).sum(0) / n
-    spread = (counts * (invstd.square().reciprocal() + (mean - mean_all).square())).sum(0) / n  # var + eps
+    deviation = mean - mean[:1]  # from the first device's means, as the reference (`gather`)
+    offset = (counts * deviation).sum(0) / n
+    mean_all = mean[0] + offset
+    spread = (counts * (invstd.square().reciprocal() + (deviation - offset).square())).sum(0) / n  # var + eps
     var = spread - eps
     c.store("meanAll", mean_all)
     c.store("invstdAll", spread.rsqrt())
