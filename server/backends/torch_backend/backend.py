@@ -134,8 +134,8 @@ class TorchBackend:
         """Waits for the calls launched on a client stream (every stream of its session when its id is None)."""
         self.streams.synchronize(stream)
 
-    def end_session(self, session: str) -> None:
-        self.streams.end_session(session)
+    def end_session(self, owner: str | None, session: str) -> None:
+        self.streams.end_session(owner, session)
 
     def close(self) -> None:
         """Nothing to release (torch owns its caches)."""

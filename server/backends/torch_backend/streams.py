@@ -78,8 +78,8 @@ class DeviceStreams:
         for stream in streams.values():
             self.wait(stream)
 
-    def end_session(self, session: Any) -> None:
-        """A session ended: its client streams are unbound (their CUDA streams go back to torch's pool)."""
+    def end_session(self, owner: Any, session: Any) -> None:
+        """An identity's session ended: its client streams are unbound (their CUDA streams go back to torch's pool)."""
         with self._lock:
-            for key in [k for k in self._bound if k[1] == session]:
+            for key in [k for k in self._bound if k[:2] == (owner, session)]:
                 del self._bound[key]
