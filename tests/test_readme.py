@@ -7,6 +7,8 @@ import re
 import subprocess
 import sys
 
+import numpy as np
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
@@ -27,3 +29,14 @@ def test_client_example_prints_correct_results(server_address, tmp_path):
     assert len(lines) == len(promised), out
     for line, expected in zip(lines, promised):
         assert re.fullmatch(re.escape(expected).replace(r"\.\.\.", r"\d+"), line), (line, expected)
+
+
+def test_device_memory_example_runs_as_written(server_address):
+    """docs/native.md's Python example: buffers on the server, a queued LayerNorm, the result copied back."""
+    text = (ROOT / "docs" / "native.md").read_text()
+    example = re.search(r"## From Python\n+```python\n(.*?)```", text, re.S)[1]
+    namespace: dict = {}
+    exec(compile(example.replace("127.0.0.1:50051", server_address), "docs/native.md", "exec"), namespace)
+    x = namespace["x"].astype(np.float64)
+    expected = (x - x.mean(-1, keepdims=True)) / np.sqrt(x.var(-1, keepdims=True) + 1e-5)
+    np.testing.assert_allclose(namespace["y"], expected, rtol=1e-4, atol=1e-5)
