@@ -220,28 +220,35 @@ def _established_uid(client: Any, client_port: int, server: Any, server_port: in
     return _UID.unpack_from(answer, _UID_OFFSET)[0]
 
 
+class _DiagSocket:
+    """A thread's netlink socket, closed with the thread's storage (one the collector closes warns)."""
+
+    def __init__(self) -> None:
+        self.socket = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, _NETLINK_SOCK_DIAG)
+        self.sequence = 0
+
+    def __del__(self) -> None:
+        self.socket.close()
+
+
 def _ask(request: bytes) -> bytes | None:
     """One sock_diag request and its one answer, on this thread's netlink socket (kept between calls);
     None when the kernel cannot be asked."""
     diag = getattr(_diag, "socket", None)
     try:
         if diag is None:
-            diag = _diag.socket = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, _NETLINK_SOCK_DIAG)
-            _diag.sequence = 0
-        _diag.sequence += 1
-        diag.send(
-            _HEADER.pack(_HEADER.size + len(request), _SOCK_DIAG_BY_FAMILY, _NLM_F_REQUEST, _diag.sequence, 0) + request
-        )
-        answer = diag.recv(4096)
+            diag = _diag.socket = _DiagSocket()
+        diag.sequence += 1
+        header = _HEADER.pack(_HEADER.size + len(request), _SOCK_DIAG_BY_FAMILY, _NLM_F_REQUEST, diag.sequence, 0)
+        diag.socket.send(header + request)
+        answer = diag.socket.recv(4096)
     except OSError as exc:
         global _warned
         if not _warned:
             _warned = True
             log.warning("cannot ask the kernel who owns a local client's socket (%s): local users are peers", exc)
         answer = b""
-    if len(answer) >= _HEADER.size and _HEADER.unpack_from(answer)[3] == _diag.sequence:
+    if diag is not None and len(answer) >= _HEADER.size and _HEADER.unpack_from(answer)[3] == diag.sequence:
         return answer
-    if diag is not None:  # failed, or out of step: a fresh socket next time
-        diag.close()
-        _diag.socket = None
+    _diag.socket = None  # failed, or out of step: a fresh socket next time (this one closes as it goes)
     return None
