@@ -27,6 +27,7 @@ from google.rpc import status_pb2
 from aclnn_common._proto import aclnn_pb2 as pb
 from aclnn_common.errors import AclnnError, Status
 from aclnn_common.framing import (
+    ATTACHED,
     CALL,
     DOWNLOAD,
     IN_MAILBOX,
@@ -34,6 +35,7 @@ from aclnn_common.framing import (
     MAILBOX,
     MAILBOX_FROM,
     MAILBOX_MAX_BYTES,
+    MESSAGE_LENGTH,
     METHODS,
     READ_BUFFER,
     REGION,
@@ -46,6 +48,7 @@ from aclnn_common.framing import (
     WRITE_BUFFER,
     WRITE_INLINE_BYTES,
     ConnectionLost,
+    aligned,
 )
 from aclnn_common.wire import decode_status
 
@@ -99,6 +102,62 @@ def send(sock: socket.socket, header: bytes, payload: bytes | memoryview = b"") 
     else:
         sock.sendall(header)
         sock.sendall(payload)
+
+
+def send_parts(sock: socket.socket, parts: list[bytes | memoryview]) -> None:
+    """Sends the parts in order: a plain socket takes them with sendmsg (no copy), TLS one at a time."""
+    if isinstance(sock, ssl.SSLSocket):
+        for part in parts:
+            sock.sendall(part)
+        return
+    views = [view for view in (memoryview(part).cast("B") for part in parts) if view.nbytes]
+    while views:
+        sent = sock.sendmsg(views)
+        while views and sent >= views[0].nbytes:
+            sent -= views.pop(0).nbytes
+        if views:
+            views[0] = views[0][sent:]
+
+
+class Attachments:
+    """Tensor bytes a call sends raw after its message (framing: ATTACHED), and its reply's raw part.
+
+    `add` places a tensor's bytes (read from the caller's memory when the call is sent, not
+    copied now) and returns the range its StorageRef names.
+    """
+
+    def __init__(self) -> None:
+        self.parts: list[tuple[int, memoryview]] = []  # (offset, bytes), in order
+        self.size = 0
+        self.received: memoryview | None = None  # the reply's raw part
+
+    def add(self, data: memoryview) -> pb.ByteRange:
+        offset = aligned(self.size)
+        self.parts.append((offset, data))
+        self.size = offset + data.nbytes
+        return pb.ByteRange(offset=offset, size=data.nbytes)
+
+    def result(self, where: pb.ByteRange) -> memoryview:
+        """A result's bytes in the reply's raw part."""
+        if self.received is None or where.offset + where.size > self.received.nbytes:
+            raise ConnectionLost(f"a result at {where.offset}+{where.size} beyond the reply's attached bytes")
+        return self.received[where.offset : where.offset + where.size]
+
+    def fold_into(self, request: pb.OpCall | pb.ExecuteRequest) -> None:
+        """Puts the bytes back inside the message, and results back inline, for gRPC (which has no raw part)."""
+        data = {offset: part for offset, part in self.parts}
+        if isinstance(request, pb.OpCall):
+            for value in request.params.values():
+                if value.WhichOneof("kind") == "tensor" and value.tensor.ref.WhichOneof("kind") == "attached":
+                    value.tensor.data = bytes(data[value.tensor.ref.attached.offset])
+                    value.tensor.ClearField("ref")
+        else:
+            for name, ref in list(request.input_refs.items()):
+                if ref.WhichOneof("kind") == "attached":
+                    request.inputs[name] = bytes(data[ref.attached.offset])
+                    del request.input_refs[name]
+        for name in [name for name, placement in request.placements.items() if placement.attached]:
+            del request.placements[name]
 
 
 class _Connection:
@@ -163,20 +222,48 @@ class DataChannel:
         """Opens one connection into the pool now; raises what opening it raised."""
         self._checkin(_Connection(self._connect()))
 
-    def call(self, method: str, request: object, stream: int | None, timeout: float | None) -> object:
-        """A unary call; the reply message, or the AclnnError the server answered with."""
+    def call(
+        self,
+        method: str,
+        request: object,
+        stream: int | None,
+        timeout: float | None,
+        attachments: Attachments | None = None,
+    ) -> object:
+        """A unary call; the reply message, or the AclnnError the server answered with. With
+        `attachments`, their bytes go raw after the message, and the reply's raw part is kept there."""
         name = method.encode()
-        prefix, message = bytes([len(name)]) + name, request.SerializeToString()
-        size = len(prefix) + len(message)
+        message = request.SerializeToString()
+        if attachments is None:
+            kind, head, parts = CALL, bytes([len(name)]) + name + message, []
+        else:
+            kind, head = CALL | ATTACHED, bytes([len(name)]) + name + MESSAGE_LENGTH.pack(len(message)) + message
+            start = aligned(len(head))
+            head += bytes(start - len(head))
+            parts = [(start + offset, data) for offset, data in attachments.parts]
+        size = len(head) + (attachments.size if attachments is not None else 0)
         with self._connection(timeout) as conn:
             mailbox = self._mailbox(conn, size, timeout) if self.unix and size > MAILBOX_FROM else None
             if mailbox is not None:
-                mailbox.map[: len(prefix)] = prefix
-                mailbox.map[len(prefix) : size] = message
-                conn.sock.sendall(_header(CALL | IN_MAILBOX, stream, timeout, size))
+                mailbox.map[: len(head)] = head
+                for offset, data in parts:
+                    mailbox.map[offset : offset + data.nbytes] = data
+                conn.sock.sendall(_header(kind | IN_MAILBOX, stream, timeout, size))
+            elif not parts:
+                send(conn.sock, _header(kind, stream, timeout, size), head)
             else:
-                send(conn.sock, _header(CALL, stream, timeout, size), prefix + message)
+                pieces: list[bytes | memoryview] = [_header(kind, stream, timeout, size) + head]
+                end = len(head)
+                for offset, data in parts:
+                    pieces += [bytes(offset - end), data]
+                    end = offset + data.nbytes
+                send_parts(conn.sock, pieces)
             reply = self._reply(conn.sock)
+        if attachments is not None:
+            end = MESSAGE_LENGTH.size + MESSAGE_LENGTH.unpack_from(reply)[0]
+            if end > reply.nbytes:
+                raise _lost("a reply whose message runs past its length")
+            reply, attachments.received = reply[MESSAGE_LENGTH.size : end], reply[min(aligned(end), reply.nbytes) :]
         return METHODS[method][1].FromString(reply)
 
     def upload(self, data: memoryview, timeout: float | None, reservation: str = "") -> str:

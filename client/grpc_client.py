@@ -24,7 +24,7 @@ from aclnn_common.tensor import Tensor, Value
 from aclnn_common.types import numpy_dtype
 from aclnn_common.wire import decode_error, encode_call
 
-from .data_channel import DataChannel, NoConnection
+from .data_channel import Attachments, DataChannel, NoConnection
 from .pool import RECONNECT_WAIT_S, Pool, data_channel_host, is_loopback, parse_target
 from .regions import Region, RegionPool
 from .staging import Staging
@@ -174,22 +174,31 @@ class Client(BaseClient):
         return self._base_metadata if stream is None else (*self._base_metadata, ("x-aclnn-stream", str(stream)))
 
     def _call_on(
-        self, replica: int, method: str, request: Any, stream: int | None = None, stateless: bool = False
+        self,
+        replica: int,
+        method: str,
+        request: Any,
+        stream: int | None = None,
+        stateless: bool = False,
+        attachments: Attachments | None = None,
     ) -> Any:
         """Calls one backend: over its data channel when it has one, else gRPC (the balanced channel
-        when the call is `stateless` and the target is a name: gRPC picks the backend)."""
+        when the call is `stateless` and the target is a name: gRPC picks the backend). A request's
+        `attachments` go raw beside it over the data channel; gRPC takes them back inside it."""
         if not stateless:
             self._called.add(replica)  # a call that may keep something in this client's session there
         channel = self._data_channel(replica) if method in DATA_CHANNEL_METHODS else None
         if channel is not None:
             try:
-                return channel.call(method, request, stream, self._timeout)
+                return channel.call(method, request, stream, self._timeout, attachments)
             except NoConnection as exc:
                 self._no_connection(replica, exc)  # nothing was sent: gRPC carries it
             except AclnnError as error:
                 if error.grpc_code == grpc.StatusCode.UNAVAILABLE:
                     self._forget_data_channel(replica)  # the server may be back on another port: ask again
                 raise
+        if attachments is not None:
+            attachments.fold_into(request)
         return self._call_grpc(None if stateless and self._pool.balanced else replica, method, request, stream)
 
     def _no_connection(self, replica: int, exc: NoConnection) -> None:
@@ -212,6 +221,7 @@ class Client(BaseClient):
         build: Callable[[int], Any],
         stream: int | None = None,
         stateless: Callable[[], bool] = lambda: False,
+        attachments: Callable[[], Attachments | None] = lambda: None,
     ) -> tuple[Any, int]:
         """Builds the request for the next backend in turn and calls it; a gone or busy one hands it on.
 
@@ -226,7 +236,7 @@ class Client(BaseClient):
                 replica = self._pool.next()
             try:
                 request = build(replica)  # its reservation or uploads may find the backend busy too
-                return self._call_on(replica, method, request, stream, stateless()), replica
+                return self._call_on(replica, method, request, stream, stateless(), attachments()), replica
             except AclnnError as error:
                 elsewhere = error.grpc_code == _DEVICE_FAILED and device_failed is None and self._pool.count() > 1
                 if not (elsewhere or error.grpc_code in _RETRYABLE) or attempt == ATTEMPTS - 1:
@@ -293,7 +303,7 @@ class Client(BaseClient):
                         request.input_refs[name].CopyFrom(data)
                 request.reservation = staging.reservation
                 try:
-                    reply = self._call_on(int(replica), "Execute", request, stream)
+                    reply = self._call_on(int(replica), "Execute", request, stream, attachments=staging.attachments)
                 except AclnnError as error:
                     if attempt or not (error.grpc_code == grpc.StatusCode.UNAVAILABLE or _lost(executor, error)):
                         raise
@@ -325,9 +335,12 @@ class Client(BaseClient):
 
             replica = self._pinned(call.values)
             if replica is not None:  # on device memory: its backend runs it
-                reply = self._call_on(replica, "Run", build(replica), stream)
+                request = build(replica)
+                reply = self._call_on(replica, "Run", request, stream, attachments=staging.attachments)
             else:
-                reply, replica = self._call_any("Run", build, stream, stateless=lambda: staging.stateless)
+                reply, replica = self._call_any(
+                    "Run", build, stream, stateless=lambda: staging.stateless, attachments=lambda: staging.attachments
+                )
             call.write_outputs(staging.results(replica, reply.outputs))
 
     def _regions_kept(self, attempt: Callable[[], None]) -> None:
@@ -624,6 +637,9 @@ class _Transfers:
         self.upload, self.download, self.free = client._upload, client._download, client._free
         self.reserve, self.release_reservation = client._reserve, client._release_reservation
         self.region, self.retire, self.release = client._region, client._retire, client._regions.release
+
+    def attaches(self, replica: int) -> bool:
+        return self.client._data_channel(replica) is not None
 
     @property
     def max_inline_bytes(self) -> int:

@@ -15,6 +15,7 @@ from aclnn_common.tensor import Tensor
 from aclnn_common.types import numpy_dtype
 from aclnn_common.wire import decode_output
 
+from .data_channel import Attachments
 from .regions import Region
 
 
@@ -41,6 +42,9 @@ class Transfers(Protocol):
 
     def region(self, replica: int, size: int) -> tuple[Region, str] | None:
         """A shared-memory region of at least `size` bytes and its id on the replica, or None."""
+
+    def attaches(self, replica: int) -> bool:
+        """Whether calls to the replica go over its data channel, which carries tensor bytes raw beside them."""
 
     def release(self, regions: list[Region]) -> None:
         """Gives regions back for reuse."""
@@ -76,6 +80,8 @@ class Staging:
         self.kept = False  # results asked to stay on the server
         self.reservation = ""  # the call's memory on its replica, reserved before its uploads
         self._reserved_on = 0
+        # Inline tensors and results, raw beside the call's message (over a data channel); None: inside it.
+        self.attachments: Attachments | None = None
 
     @property
     def stateless(self) -> bool:
@@ -100,11 +106,13 @@ class Staging:
             self.transfers.release(self.regions)
         self.handles, self.regions, self.output_regions, self.kept = [], [], {}, False
         self.reservation = ""
+        self.attachments = None
 
     def inputs(
         self, replica: int, tensors: Mapping[str, Tensor], reservation: pb.CallReservation
     ) -> dict[str, bytes | pb.StorageRef]:
-        """Each tensor's storage inline, as a shared-memory slice, or uploaded (large ones).
+        """Each tensor's storage inline (raw beside the message over a data channel), as a shared-memory
+        slice, or uploaded (large ones).
 
         Uploads come after the call's memory was reserved as one unit (`reservation`: the call's
         descriptors and placements, placed already), so that no call holds its first upload while
@@ -125,6 +133,8 @@ class Staging:
                 staged[name] = pb.StorageRef(region=pb.RegionSlice(region=region[1], offset=0, size=view.nbytes))
             elif name in uploads:
                 staged[name] = pb.StorageRef(handle=self._upload(replica, name, view))
+            elif self._attaching(replica):
+                staged[name] = pb.StorageRef(attached=self.attachments.add(view))
             else:
                 staged[name] = view.tobytes()
         return staged
@@ -141,7 +151,8 @@ class Staging:
         return handle
 
     def place(self, replica: int, sizes: Mapping[str, int], placements: Any) -> None:
-        """Large results stay on the server (then stream back); with shared memory they land in a region."""
+        """Large results stay on the server (then stream back); with shared memory they land in a region;
+        over a data channel the others come back raw beside the reply."""
         for name, size in sizes.items():
             region = self._region(replica, size)
             if region is not None:
@@ -150,6 +161,8 @@ class Staging:
             elif size > self.transfers.max_inline_bytes:
                 placements[name].keep_on_server = True
                 self.kept = True
+            elif self._attaching(replica):
+                placements[name].attached = True
 
     def results(self, replica: int, outputs: Mapping[str, pb.OutputTensor]) -> dict[str, Any]:
         results: dict[str, Any] = {}
@@ -161,9 +174,16 @@ class Staging:
                 dtype, dims = numpy_dtype(output.data_type), tuple(output.dims)
                 buffer = self.output_regions[name].array[: math.prod(dims) * dtype.itemsize]
                 results[name] = buffer.view(dtype).reshape(dims)
+            elif output.HasField("attached") and self.attachments is not None:
+                results[name] = decode_output(output, self.attachments.result(output.attached))
             else:
                 results[name] = decode_output(output)
         return results
+
+    def _attaching(self, replica: int) -> bool:
+        if self.attachments is None and self.transfers.attaches(replica):
+            self.attachments = Attachments()
+        return self.attachments is not None
 
     def _region(self, replica: int, size: int) -> tuple[Region, str] | None:
         """A region for `size` bytes and its id on the replica; None: the bytes go another way."""

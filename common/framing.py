@@ -31,6 +31,18 @@ Descriptors pass only there: at any other time the server's Unix socket refuses 
 off; a sendmsg with SCM_RIGHTS fails with EPERM), and the byte with the memfd is the last thing a
 client sends before its reply, as after any request.
 
+A CALL may carry tensor bytes raw, after its message, rather than inside it: kind = CALL | ATTACHED,
+
+    payload  = name_length:u8 method name, message_length:u64, request message, zero padding to a
+               multiple of ATTACHMENT_ALIGN bytes of the payload, then the attached part
+    reply    = ok:u8 length:u64, message_length:u64, response message, padding likewise, attached part
+
+Tensors refer to their bytes by StorageRef.attached, a ByteRange of the attached part (the client
+starts each at a multiple of ATTACHMENT_ALIGN); outputs placed `attached` come back the same way
+(OutputTensor.attached). Protobuf copies a bytes field several times on each side and its
+serializer slows down more than in proportion beyond a few MiB; raw bytes move with one
+system call from and into NumPy memory. An error reply is a plain Status, as for any request.
+
 A CALL whose payload is larger than one Unix-socket buffer holds (MAILBOX_FROM) travels in the
 connection's mailbox instead: kind = CALL | IN_MAILBOX, the payload at the mailbox's start and
 nothing after the header. Over a stream socket such a payload arrives in pieces of ~36.5 KiB,
@@ -53,6 +65,8 @@ CALL, UPLOAD, DOWNLOAD, REGISTER_REGION, UNREGISTER_REGION, MAILBOX = 1, 2, 3, 4
 WRITE_BUFFER, READ_BUFFER = 7, 8
 RESERVED_UPLOAD = 10
 IN_MAILBOX = 0x80  # on a CALL's kind: the payload is in the connection's mailbox
+ATTACHED = 0x40  # on a CALL's kind: tensor bytes follow the message, raw (and so in its reply)
+ATTACHMENT_ALIGN = 64  # the attached part, and each tensor in it, starts at a multiple of this
 # A Unix-socket buffer holds ~36.5 KiB (one page-sized head and 32 KiB of pages): payloads above
 # this travel in the connection's mailbox, of at most MAILBOX_MAX_BYTES.
 MAILBOX_FROM = 32 << 10
@@ -60,6 +74,14 @@ MAILBOX_MAX_BYTES = 16 << 20
 REQUEST = struct.Struct("<BBqIQ")
 REPLY = struct.Struct("<BQ")
 REGION = struct.Struct("<Q")
+MESSAGE_LENGTH = struct.Struct("<Q")
+
+
+def aligned(offset: int) -> int:
+    """The first multiple of ATTACHMENT_ALIGN at or after `offset`."""
+    return -(-offset // ATTACHMENT_ALIGN) * ATTACHMENT_ALIGN
+
+
 # The unary methods the data channel carries: request and reply message types.
 METHODS: dict[str, tuple[type, type]] = {
     "GetWorkspaceSize": (pb.OpCall, pb.WorkspacePlan),

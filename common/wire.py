@@ -79,12 +79,12 @@ def _described(key: tuple) -> pb.Value:
     return encode_value(Tensor(*key))
 
 
-def decode_output(output: pb.OutputTensor) -> np.ndarray:
-    """A result array over the message's bytes (read once, no further copy)."""
+def decode_output(output: pb.OutputTensor, data: bytes | memoryview | None = None) -> np.ndarray:
+    """A result array over the message's bytes, or over `data` (its bytes sent beside it); no copy."""
     dtype = numpy_dtype(output.data_type)
     if dtype is None:
         raise AclnnError(Status.INNER, f"server returned unknown data type {output.data_type}")
-    return np.frombuffer(output.data, dtype=dtype).reshape(tuple(output.dims))
+    return np.frombuffer(output.data if data is None else data, dtype=dtype).reshape(tuple(output.dims))
 
 
 def decode_outputs(outputs: Mapping[str, pb.OutputTensor]) -> dict[str, np.ndarray]:

@@ -95,6 +95,9 @@ class CallContext:
     executor: str = ""  # the executor a reservation is for
     bytes_in: int = 0  # bytes a streaming call moved (unary calls measure their messages)
     bytes_out: int = 0
+    # A data-channel call's raw part (framing: ATTACHED): its inputs' bytes; None where a transport has none.
+    attachment: memoryview | None = None
+    attached_results: list[tuple[int, memoryview]] = field(default_factory=list)  # (offset, bytes) to send back
     queue_s: float = 0.0
     validation_s: float = 0.0
     compute_s: float = 0.0

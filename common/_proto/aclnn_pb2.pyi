@@ -28,14 +28,16 @@ class Tensor(_message.Message):
     def __init__(self, data_type: _Optional[int] = ..., format: _Optional[int] = ..., view_dims: _Optional[_Iterable[int]] = ..., strides: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., storage_dims: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., ref: _Optional[_Union[StorageRef, _Mapping]] = ...) -> None: ...
 
 class StorageRef(_message.Message):
-    __slots__ = ("handle", "region", "device")
+    __slots__ = ("handle", "region", "device", "attached")
     HANDLE_FIELD_NUMBER: _ClassVar[int]
     REGION_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
+    ATTACHED_FIELD_NUMBER: _ClassVar[int]
     handle: str
     region: RegionSlice
     device: DeviceSlice
-    def __init__(self, handle: _Optional[str] = ..., region: _Optional[_Union[RegionSlice, _Mapping]] = ..., device: _Optional[_Union[DeviceSlice, _Mapping]] = ...) -> None: ...
+    attached: ByteRange
+    def __init__(self, handle: _Optional[str] = ..., region: _Optional[_Union[RegionSlice, _Mapping]] = ..., device: _Optional[_Union[DeviceSlice, _Mapping]] = ..., attached: _Optional[_Union[ByteRange, _Mapping]] = ...) -> None: ...
 
 class DeviceSlice(_message.Message):
     __slots__ = ("buffer", "offset")
@@ -44,6 +46,14 @@ class DeviceSlice(_message.Message):
     buffer: str
     offset: int
     def __init__(self, buffer: _Optional[str] = ..., offset: _Optional[int] = ...) -> None: ...
+
+class ByteRange(_message.Message):
+    __slots__ = ("offset", "size")
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    offset: int
+    size: int
+    def __init__(self, offset: _Optional[int] = ..., size: _Optional[int] = ...) -> None: ...
 
 class RegionSlice(_message.Message):
     __slots__ = ("region", "offset", "size")
@@ -56,12 +66,14 @@ class RegionSlice(_message.Message):
     def __init__(self, region: _Optional[str] = ..., offset: _Optional[int] = ..., size: _Optional[int] = ...) -> None: ...
 
 class OutputPlacement(_message.Message):
-    __slots__ = ("keep_on_server", "region")
+    __slots__ = ("keep_on_server", "region", "attached")
     KEEP_ON_SERVER_FIELD_NUMBER: _ClassVar[int]
     REGION_FIELD_NUMBER: _ClassVar[int]
+    ATTACHED_FIELD_NUMBER: _ClassVar[int]
     keep_on_server: bool
     region: RegionSlice
-    def __init__(self, keep_on_server: _Optional[bool] = ..., region: _Optional[_Union[RegionSlice, _Mapping]] = ...) -> None: ...
+    attached: bool
+    def __init__(self, keep_on_server: _Optional[bool] = ..., region: _Optional[_Union[RegionSlice, _Mapping]] = ..., attached: _Optional[bool] = ...) -> None: ...
 
 class IntArray(_message.Message):
     __slots__ = ("values",)
@@ -181,16 +193,18 @@ class Reservation(_message.Message):
     def __init__(self, reservation: _Optional[str] = ..., bytes: _Optional[int] = ...) -> None: ...
 
 class OutputTensor(_message.Message):
-    __slots__ = ("data_type", "dims", "data", "handle")
+    __slots__ = ("data_type", "dims", "data", "handle", "attached")
     DATA_TYPE_FIELD_NUMBER: _ClassVar[int]
     DIMS_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     HANDLE_FIELD_NUMBER: _ClassVar[int]
+    ATTACHED_FIELD_NUMBER: _ClassVar[int]
     data_type: int
     dims: _containers.RepeatedScalarFieldContainer[int]
     data: bytes
     handle: str
-    def __init__(self, data_type: _Optional[int] = ..., dims: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., handle: _Optional[str] = ...) -> None: ...
+    attached: ByteRange
+    def __init__(self, data_type: _Optional[int] = ..., dims: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., handle: _Optional[str] = ..., attached: _Optional[_Union[ByteRange, _Mapping]] = ...) -> None: ...
 
 class TensorChunk(_message.Message):
     __slots__ = ("total_size", "offset", "data")

@@ -23,6 +23,7 @@ from google.rpc import code_pb2, error_details_pb2, status_pb2
 
 from aclnn_common._proto import aclnn_pb2 as pb
 from aclnn_common.errors import AclnnError, Status, invalid_error
+from aclnn_common.framing import aligned
 
 from ..admission import CallAbandoned
 from ..buffers import ResidentStorage
@@ -134,9 +135,10 @@ def release(call: CallContext) -> None:
         hold.release()
 
 
-def _message_size(message: Any, streamed: int) -> int:
-    """A message's size; streamed calls (iterators, raw bytes) report the bytes they moved instead."""
-    return message.ByteSize() if hasattr(message, "ByteSize") else streamed
+def _message_size(message: Any) -> int:
+    """A message's size (0 for what is none: an upload's stream, a download's bytes). Bytes a call
+    moves beside its messages (uploads, downloads, attached results) are counted apart, in CallContext."""
+    return message.ByteSize() if hasattr(message, "ByteSize") else 0
 
 
 class AclnnService:
@@ -158,7 +160,8 @@ class AclnnService:
         """
         started, status, reply = time.perf_counter(), "ACLNN_SUCCESS", None
         self.metrics.in_flight.inc()
-        request_size = _message_size(request, call.bytes_in)
+        # What the transport counted when it received the request whole (no ByteSize: it serializes the message).
+        request_size = call.bytes_in or _message_size(request)
         try:
             if call.holds is None:  # a transport that reserved its request's bytes before receiving them sets holds
                 call.holds = []
@@ -182,7 +185,7 @@ class AclnnService:
             total = time.perf_counter() - started
             phases = {"queue": call.queue_s, "validation": call.validation_s, "compute": call.compute_s}
             phases["transfer"] = max(0.0, total - sum(phases.values()))
-            sizes = (request_size or call.bytes_in, _message_size(reply, call.bytes_out))
+            sizes = (request_size or call.bytes_in, _message_size(reply) + call.bytes_out)
             # Only this server's operators become labels: ever-new names would grow /metrics without bound.
             op_label = call.op if not call.op or call.op in self.engine.operators else "unregistered"
             self.metrics.observe(name, op_label, status, phases, sizes)
@@ -205,7 +208,8 @@ class AclnnService:
 
     def GetWorkspaceSize(self, request: pb.OpCall, call: CallContext) -> pb.WorkspacePlan:
         self.storage.touch(call.session, call.owner, create=True)  # the executor lives in the session
-        values = decode_params(request.params, lambda ref: self._stored(ref, call))
+        # The executor keeps its bytes: attached ones are copied out of the request (and held with it).
+        values = decode_params(request.params, lambda ref: self._stored(ref, call, kept=True))
         size, executor = self.engine.get_workspace_size(request.op, values, call)
         return pb.WorkspacePlan(workspace_size=size, executor=executor)
 
@@ -272,9 +276,11 @@ class AclnnService:
             ]
         )
 
-    def _stored(self, ref: pb.StorageRef, call: CallContext) -> memoryview | ResidentStorage:
-        """The bytes a StorageRef names: an uploaded tensor, a slice of a shared-memory region, or
-        device memory."""
+    def _stored(
+        self, ref: pb.StorageRef, call: CallContext, kept: bool = False
+    ) -> memoryview | bytes | ResidentStorage:
+        """The bytes a StorageRef names: an uploaded tensor, a slice of a shared-memory region, device
+        memory, or a slice of the request's attached part (a copy when `kept` beyond the request)."""
         kind = ref.WhichOneof("kind")
         if kind == "handle":
             return self.storage.handle(call.session, call.owner, ref.handle)
@@ -283,7 +289,17 @@ class AclnnService:
             return self.storage.region_slice(call.session, call.owner, r.region, r.offset, r.size)
         if kind == "device":
             return self._device(ref.device, call, "buffer")
-        raise invalid_error("ref", "names neither a tensor handle, a region nor a device buffer")
+        if kind == "attached":
+            part, r = call.attachment, ref.attached
+            check(part is not None, "ref", "attached bytes come only with a data-channel call that attaches them")
+            check(
+                r.offset + r.size <= part.nbytes,
+                "ref",
+                f"attached range {r.offset}+{r.size} lies outside the {part.nbytes} bytes attached",
+            )
+            data = part[r.offset : r.offset + r.size]
+            return bytes(data) if kept else data
+        raise invalid_error("ref", "names neither a tensor handle, a region, a device buffer nor attached bytes")
 
     def _place(
         self, outputs: dict[str, np.ndarray], placements: Mapping[str, pb.OutputPlacement], call: CallContext
@@ -293,7 +309,9 @@ class AclnnService:
         for name, placement in placements.items():
             if name not in outputs:
                 continue  # a masked-off output: nothing to place
-            if placement.WhichOneof("kind") == "region":
+            if placement.WhichOneof("kind") == "attached":
+                check(call.attachment is not None, name, "attached results come only with a data-channel call")
+            elif placement.WhichOneof("kind") == "region":
                 r = placement.region
                 check(
                     r.size == outputs[name].nbytes,
@@ -302,9 +320,17 @@ class AclnnService:
                 )
                 targets[name] = self.storage.region_slice(call.session, call.owner, r.region, r.offset, r.size)
         encoded = {}
+        attached_end = 0
         for name, array in outputs.items():
             flat = array.reshape(-1).view(np.uint8)
-            if name in targets:
+            if name in placements and placements[name].attached:  # sent raw after the reply by the transport
+                offset = aligned(attached_end)
+                attached_end = offset + flat.nbytes
+                call.attached_results.append((offset, memoryview(flat)))
+                call.bytes_out += flat.nbytes
+                where = pb.ByteRange(offset=offset, size=flat.nbytes)
+                encoded[name] = output_tensor(array, inline=False, attached=where)
+            elif name in targets:
                 np.frombuffer(targets[name], np.uint8)[:] = flat
                 encoded[name] = output_tensor(array, inline=False)
             elif name in call.kept:

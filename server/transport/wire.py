@@ -49,6 +49,10 @@ def decode_params(params: Mapping[str, pb.Value], resolve: StorageResolver) -> d
     return {name: decode_value(value, resolve) for name, value in params.items()}
 
 
-def output_tensor(array: np.ndarray, inline: bool = True, handle: str = "") -> pb.OutputTensor:
+def output_tensor(
+    array: np.ndarray, inline: bool = True, handle: str = "", attached: pb.ByteRange | None = None
+) -> pb.OutputTensor:
     data = array.tobytes() if inline else b""
-    return pb.OutputTensor(data_type=data_type_of(array.dtype), dims=array.shape, data=data, handle=handle)
+    return pb.OutputTensor(
+        data_type=data_type_of(array.dtype), dims=array.shape, data=data, handle=handle, attached=attached
+    )

@@ -80,31 +80,39 @@ def drain(conn: Connection) -> bool:
     return True
 
 
-def send(conn: Connection, header: bytes, payload: bytes | memoryview, allowance_s: float) -> None:
-    """Sends a reply: at once when the socket takes it (small replies), else as fast as the peer reads,
-    as long as it keeps up with progress.MIN_BYTES_PER_S (else TimeoutError: the caller closes the connection)."""
-    nbytes = len(header) + memoryview(payload).nbytes
-    parts = [header + bytes(payload)] if nbytes <= _COALESCE_BYTES else [header, memoryview(payload).cast("B")]
+def send(conn: Connection, parts: list[bytes | memoryview], allowance_s: float) -> None:
+    """Sends a reply's parts in order (a header, a message, arrays' bytes): at once when the socket
+    takes them (small replies), else as fast as the peer reads, as long as it keeps up with
+    progress.MIN_BYTES_PER_S (else TimeoutError: the caller closes the connection). A plain socket
+    takes all the parts with one sendmsg, no copy; TLS, which has none, one part at a time."""
+    views = [memoryview(part).cast("B") for part in parts]
+    nbytes = sum(view.nbytes for view in views)
+    if isinstance(conn.sock, ssl.SSLSocket) and nbytes <= _COALESCE_BYTES:
+        views = [memoryview(b"".join(views))]
+    views = [view for view in views if view.nbytes]
     sock, moved = conn.sock, 0
     started = last = time.monotonic()
-    for part in parts:
-        view, sent = memoryview(part), 0
-        try:
-            sent = sock.send(view)
-        except (BlockingIOError, ssl.SSLWantWriteError):
-            pass
-        if sent < len(view):
+    blocking = False
+    try:
+        while views:
             try:
-                while sent < len(view):
-                    remaining = progress_deadline(started, moved + sent, allowance_s, last) - time.monotonic()
-                    if remaining <= 0:
-                        raise TimeoutError(f"the peer read {moved + sent} of {nbytes} bytes too slowly")
-                    sock.settimeout(remaining)
-                    sent += sock.send(view[sent:])
-                    last = time.monotonic()
-            finally:
-                sock.setblocking(False)
-        moved += sent
+                sent = sock.send(views[0]) if isinstance(sock, ssl.SSLSocket) else sock.sendmsg(views)
+            except (BlockingIOError, ssl.SSLWantWriteError):
+                sent = 0
+            if sent:
+                moved, last = moved + sent, time.monotonic()
+            while views and sent >= views[0].nbytes:
+                sent -= views.pop(0).nbytes
+            if views:
+                views[0] = views[0][sent:]
+                remaining = progress_deadline(started, moved, allowance_s, last) - time.monotonic()
+                if remaining <= 0:
+                    raise TimeoutError(f"the peer read {moved} of {nbytes} bytes too slowly")
+                sock.settimeout(remaining)  # the socket is full: wait for room
+                blocking = True
+    finally:
+        if blocking:
+            sock.setblocking(False)
 
 
 def send_now(conn: Connection, data: bytes) -> None:

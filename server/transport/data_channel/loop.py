@@ -58,6 +58,9 @@ _SO_PEERCRED = struct.Struct("3i")  # pid, uid, gid
 _REGISTRATIONS_BUSY = status(
     code_pb2.RESOURCE_EXHAUSTED, "this caller's registrations are queued already: retry, or pass bytes another way"
 )
+# Asked of the kernel for a Unix-socket connection's replies (it doubles it, within net.core.wmem_max).
+# It bounds kernel memory, not a hold: a reply's bytes are held until the socket took the last of them.
+_UNIX_SEND_BUFFER = 2 << 20
 
 
 class DataChannelServer:
@@ -252,6 +255,10 @@ class DataChannelServer:
             peer = _SO_PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)) if unix else None
             if not unix:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            else:
+                # A reply of a few MiB then leaves in one sendmsg: with the default (~208 KiB) a 4 MiB reply
+                # took ~20 blocking rounds, each waking the client to drain it and then this worker again.
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _UNIX_SEND_BUFFER)
             sock.setblocking(False)
             if self.tls is not None and not unix:
                 sock = self.tls.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)

@@ -12,11 +12,13 @@ from google.rpc import code_pb2, status_pb2
 from aclnn_common._proto import aclnn_pb2 as pb
 from aclnn_common.errors import AclnnError, invalid_error
 from aclnn_common.framing import (
+    ATTACHED,
     CALL,
     DOWNLOAD,
     IN_MAILBOX,
     MAILBOX,
     MAILBOX_MAX_BYTES,
+    MESSAGE_LENGTH,
     METHODS,
     READ_BUFFER,
     REGION,
@@ -28,6 +30,7 @@ from aclnn_common.framing import (
     UPLOAD,
     WRITE_BUFFER,
     ConnectionLost,
+    aligned,
 )
 
 from ...engine import CallContext
@@ -39,10 +42,9 @@ from .descriptors import Broker, Excess, allow_passing, receive_one
 from .framing import drain, failure_parts, fill, ok, peer_closed, receive_into, send, status
 from .mailbox import Mailbox
 
-_KINDS = frozenset(
-    {CALL, CALL | IN_MAILBOX, UPLOAD, RESERVED_UPLOAD, DOWNLOAD, REGISTER_REGION, UNREGISTER_REGION, MAILBOX}
-    | {WRITE_BUFFER, READ_BUFFER}
-)
+_CALLS = frozenset({CALL, CALL | IN_MAILBOX, CALL | ATTACHED, CALL | ATTACHED | IN_MAILBOX})
+_KINDS = _CALLS | {UPLOAD, RESERVED_UPLOAD, DOWNLOAD, REGISTER_REGION, UNREGISTER_REGION, MAILBOX}
+_KINDS |= {WRITE_BUFFER, READ_BUFFER}
 # Requests that pass a descriptor: served on the identity's broker thread (see descriptors.py).
 REGISTRATIONS = frozenset({REGISTER_REGION, MAILBOX})
 
@@ -113,7 +115,7 @@ class Requests:
             kind, length = header[0], header[4]
             if kind not in _KINDS:
                 raise ProtocolError(f"unknown request kind {kind}")
-            in_mailbox = kind == CALL | IN_MAILBOX
+            in_mailbox = kind in _CALLS and bool(kind & IN_MAILBOX)
             if in_mailbox and (conn.mailbox is None or length > conn.mailbox.size):
                 raise ProtocolError(f"a {length}-byte request in a mailbox the connection does not have")
             conn.header, early = header, conn.got - REQUEST.size  # payload bytes read with the header
@@ -196,15 +198,32 @@ class Requests:
         if method not in METHODS:
             unknown = status(code_pb2.UNIMPLEMENTED, f"method {method!r:.60} is not on the data channel")
             return self.fail(conn, unknown)
+        call.bytes_in = length  # the message and what is attached to it, received whole
         try:
-            request = METHODS[method][0].FromString(payload[1 + payload[0] :])
+            message = payload[1 + payload[0] :]
+            if kind & ATTACHED:
+                message, call.attachment = _attached(payload, 1 + payload[0])
+            request = METHODS[method][0].FromString(message)
         except DecodeError:
             return self.fail(conn, status(code_pb2.INVALID_ARGUMENT, f"{method} request does not parse"))
         try:
             reply = self.service.invoke(method, request, call, request_id)
         except Exception as exc:
             return self.fail(conn, failure_status(exc)[0])
-        return self.send(conn, *ok(reply.SerializeToString()))
+        if not kind & ATTACHED:
+            return self.send(conn, *ok(reply.SerializeToString()))
+        return self._send_attached(conn, reply.SerializeToString(), call.attached_results)
+
+    def _send_attached(self, conn: Connection, message: bytes, results: list[tuple[int, memoryview]]) -> None:
+        """A reply with results raw after its message (framing: ATTACHED), each at the offset _place gave it."""
+        head = MESSAGE_LENGTH.pack(len(message)) + message
+        start = aligned(len(head))
+        parts: list[bytes | memoryview] = [head + bytes(start - len(head))]
+        end = 0
+        for offset, data in results:
+            parts += [bytes(offset - end), data]
+            end = offset + data.nbytes
+        send(conn, [REPLY.pack(1, start + end), *parts], self.limits.handshake_timeout_s)
 
     def _write_buffer(self, conn: Connection, payload: memoryview, call: CallContext, request_id: str) -> None:
         """Serves a WRITE_BUFFER; one that fails after the client was told to send its bytes drops the connection."""
@@ -277,4 +296,14 @@ class Requests:
         self.send(conn, *failure_parts(failed))
 
     def send(self, conn: Connection, header: bytes, payload: bytes | memoryview = b"") -> None:
-        send(conn, header, payload, self.limits.handshake_timeout_s)
+        send(conn, [header, payload], self.limits.handshake_timeout_s)
+
+
+def _attached(payload: memoryview, start: int) -> tuple[memoryview, memoryview]:
+    """A CALL | ATTACHED payload's message and attached part (framing: ATTACHED)."""
+    if start + MESSAGE_LENGTH.size > payload.nbytes:
+        raise DecodeError("no message length")
+    end = start + MESSAGE_LENGTH.size + MESSAGE_LENGTH.unpack_from(payload, start)[0]
+    if end > payload.nbytes:
+        raise DecodeError("the message runs past the payload")
+    return payload[start + MESSAGE_LENGTH.size : end], payload[min(aligned(end), payload.nbytes) :]

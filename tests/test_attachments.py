@@ -1,0 +1,171 @@
+"""Tensor bytes raw beside a data-channel call's message (framing: ATTACHED), on a real server."""
+
+from __future__ import annotations
+
+import grpc
+import numpy as np
+import pytest
+from layer_norm_cases import layer_norm_call
+from test_data_channel import OP, OUTPUTS, check, connect, error_of, reply, request, ticket
+
+from aclnn_client import AclnnError, Client
+from aclnn_client.data_channel import Attachments
+from aclnn_common._proto import aclnn_pb2 as pb
+from aclnn_common.binding import bind
+from aclnn_common.framing import ATTACHED, CALL, MESSAGE_LENGTH, aligned
+from aclnn_common.wire import encode_call
+
+MIB = 1 << 20
+
+
+def attached_call(method: str, message: bytes, attached: bytes) -> bytes:
+    """A CALL | ATTACHED payload: the method, the message's length and the message, padding, the raw part."""
+    head = bytes([len(method)]) + method.encode() + MESSAGE_LENGTH.pack(len(message)) + message
+    return head + bytes(aligned(len(head)) - len(head)) + attached
+
+
+def attached_inputs(p: dict) -> tuple[pb.OpCall, bytes]:
+    """The call with every input's bytes attached (as the client sends it), and its raw part."""
+    bound = bind(OP, p, frozenset(OUTPUTS))
+    call, attachments = encode_call(OP, bound.values, storage=False), Attachments()
+    for name, tensor in bound.inputs().items():
+        call.params[name].tensor.ref.attached.CopyFrom(attachments.add(memoryview(tensor.data.view(np.uint8))))
+    raw = b"".join(bytes(data) + bytes(aligned(len(data)) - len(data)) for _, data in attachments.parts)
+    return call, raw
+
+
+def attached_reply(payload: bytes) -> tuple[bytes, bytes]:
+    end = MESSAGE_LENGTH.size + MESSAGE_LENGTH.unpack_from(payload)[0]
+    return payload[MESSAGE_LENGTH.size : end], payload[aligned(end) :]
+
+
+@pytest.mark.parametrize(
+    "unix,rows,inline_mib",
+    [
+        (True, 4, 4),  # a small call in the connection's mailbox
+        (True, 512, 4),  # 2 MiB tensors: a 4 MiB request in the mailbox
+        (True, 2304, 10),  # 9 MiB tensors: an 18 MiB request, too large for a mailbox: over the socket
+        (False, 4, 4),
+        (False, 512, 4),
+    ],
+    ids=["unix-small", "unix-mailbox", "unix-socket", "tcp-small", "tcp-large"],
+)
+def test_inline_tensors_travel_raw_beside_the_message(serve, rng, unix, rows, inline_mib):
+    served = serve()
+    p = layer_norm_call(rng, (rows, 1024))
+    with Client(served.address, unix_socket=unix, max_inline_bytes=inline_mib * MIB) as c:
+        assert c._data_channel(0).unix == unix
+        c.run(OP, **p)
+        check(p)
+        for name in ("gradInputOut", "gradWeightOut", "gradBiasOut"):
+            p[name][...] = np.nan
+        _, executor = c.get_workspace_size(OP, **p)
+        c.execute(executor)
+    check(p)
+    # The bytes moved beside the messages are counted with them.
+    assert served.server.metrics.bytes_in.labels("Run")._value.get() > 2 * p["input"].nbytes
+    assert served.server.metrics.bytes_out.labels("Run")._value.get() > p["input"].nbytes
+
+
+def test_attached_ranges_are_checked(serve, rng):
+    served = serve()
+    p = layer_norm_call(rng, (4, 16))
+    call, raw = attached_inputs(p)
+    with connect(ticket(served.address)) as sock:
+        assert reply(sock)[0]
+        call.placements["gradInputOut"].attached = True
+        call.placements["gradWeightOut"].attached = True
+        payload = attached_call("Run", call.SerializeToString(), raw)
+        sock.sendall(request(CALL | ATTACHED, len(payload)) + payload)
+        ok, answer = reply(sock)
+        assert ok, error_of(answer)
+        message, results = attached_reply(answer)
+        outputs = pb.RunResponse.FromString(message).outputs
+        for name in ("gradInputOut", "gradWeightOut"):
+            where = outputs[name].attached
+            p[name][...] = np.frombuffer(results[where.offset : where.offset + where.size], np.float32).reshape(-1, 16)
+        p["gradBiasOut"][...] = np.frombuffer(outputs["gradBiasOut"].data, np.float32)  # not placed: inline
+        check(p)
+
+        # A range beyond the attached part is 161002 naming the reference; the connection stays usable.
+        call.params["input"].tensor.ref.attached.offset = len(raw)
+        payload = attached_call("Run", call.SerializeToString(), raw)
+        sock.sendall(request(CALL | ATTACHED, len(payload)) + payload)
+        ok, answer = reply(sock)
+        error = error_of(answer)
+        assert not ok and (error.code, error.param) == (161002, "ref")
+        # A message running past the payload does not parse.
+        bad = b"\x03Run" + MESSAGE_LENGTH.pack(1 << 40)
+        sock.sendall(request(CALL | ATTACHED, len(bad)) + bad)
+        ok, answer = reply(sock)
+        assert not ok and error_of(answer).grpc_code == grpc.StatusCode.INVALID_ARGUMENT
+        keepalive = b"\x09KeepAlive"
+        sock.sendall(request(CALL, len(keepalive)) + keepalive)
+        assert reply(sock) == (True, b"")
+
+
+def test_attached_bytes_need_the_data_channel(serve, rng):
+    """gRPC has no raw part: a reference to one, or a result placed in one, is 161002."""
+    served = serve()
+    p = layer_norm_call(rng, (4, 16))
+    call = encode_call(OP, _values(p))
+    call.params["input"].tensor.ClearField("data")
+    call.params["input"].tensor.ref.attached.size = p["input"].nbytes
+    with Client(served.address, data_channel=False) as c:
+        with pytest.raises(AclnnError) as refused:
+            c._call_grpc(0, "Run", call)
+        assert (refused.value.code, refused.value.param) == (161002, "ref")
+        call = encode_call(OP, _values(p))
+        call.placements["gradInputOut"].attached = True
+        with pytest.raises(AclnnError) as refused:
+            c._call_grpc(0, "Run", call)
+        assert (refused.value.code, refused.value.param) == (161002, "gradInputOut")
+
+
+def test_an_executor_keeps_a_copy_of_attached_bytes(serve, rng):
+    """Bytes attached to GetWorkspaceSize outlive the request (its buffer is the connection's, reused)."""
+    served = serve()
+    p = layer_norm_call(rng, (4, 16))
+    call, raw = attached_inputs(p)
+    with connect(ticket(served.address)) as sock:
+        assert reply(sock)[0]
+        payload = attached_call("GetWorkspaceSize", call.SerializeToString(), raw)
+        sock.sendall(request(CALL | ATTACHED, len(payload)) + payload)
+        ok, answer = reply(sock)
+        assert ok
+        plan = pb.WorkspacePlan.FromString(attached_reply(answer)[0])
+        noise = attached_call("GetWorkspaceSize", call.SerializeToString(), bytes(len(raw)))  # overwrites the buffer
+        sock.sendall(request(CALL | ATTACHED, len(noise)) + noise)
+        assert reply(sock)[0]
+        execute = pb.ExecuteRequest(executor=plan.executor).SerializeToString()
+        sock.sendall(request(CALL, len(execute) + 8) + b"\x07Execute" + execute)
+        ok, answer = reply(sock)
+        assert ok
+        outputs = pb.ExecuteResponse.FromString(answer).outputs
+    for name in ("gradInputOut", "gradWeightOut", "gradBiasOut"):
+        p[name][...] = np.frombuffer(outputs[name].data, np.float32).reshape(p[name].shape)
+    check(p)
+
+
+def test_attachments_fold_back_into_the_message_for_grpc(rng):
+    """A call built for the data channel goes over gRPC when the channel has no connection for it."""
+    p = layer_norm_call(rng, (4, 16))
+    call = encode_call(OP, _values(p), storage=False)
+    attachments = Attachments()
+    where = attachments.add(memoryview(p["input"].reshape(-1).view(np.uint8)))
+    call.params["input"].tensor.ref.attached.CopyFrom(where)
+    call.placements["gradInputOut"].attached = True
+    call.placements["gradWeightOut"].keep_on_server = True
+    attachments.fold_into(call)
+    assert call.params["input"].tensor.data == p["input"].tobytes()
+    assert not call.params["input"].tensor.HasField("ref")
+    assert list(call.placements) == ["gradWeightOut"]
+    execute = pb.ExecuteRequest(executor="x")
+    execute.input_refs["input"].attached.CopyFrom(where)
+    execute.input_refs["mean"].handle = "h"
+    attachments.fold_into(execute)
+    assert execute.inputs["input"] == p["input"].tobytes() and list(execute.input_refs) == ["mean"]
+
+
+def _values(p: dict) -> dict:
+    return bind(OP, p, frozenset(OUTPUTS)).values
