@@ -9,6 +9,7 @@ a noisy machine.
 
     .venv/bin/python bench/transport.py            # full: 8192x4096 large call
     .venv/bin/python bench/transport.py --quick    # smaller and shorter
+    .venv/bin/python bench/transport.py --sweep    # every path at tensor sizes 64 KiB .. 64 MiB, and a plot
 """
 
 from __future__ import annotations
@@ -143,12 +144,119 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
+# The sweep: LayerNorm backward on [rows, SWEEP_WIDTH] fp32, so a tensor of rows * 4 KiB; gradOut and
+# input travel in, gradInput back (and the small mean, rstd, weight, gradWeight, gradBias).
+SWEEP_WIDTH = 1024
+SWEEP_SIZES = [(64 << 10) << k for k in range(11)]  # bytes per tensor: 64 KiB .. 64 MiB
+SWEEP_PATHS = {  # label -> Client options (None: LocalClient in this process, the floor)
+    "in process (LocalClient)": None,
+    "default (data channel, Unix socket)": {},
+    "shared memory": dict(shared_memory=True),
+    "data channel over TCP": dict(unix_socket=False),
+    "gRPC (data_channel=False)": dict(data_channel=False),
+}
+RPC = "PyTorch RPC (TensorPipe)"
+# The ratio targets of the transport issue, per path: at most this many times PyTorch RPC's time.
+SWEEP_TARGETS = {"default (data channel, Unix socket)": 1.0, "shared memory": 0.5, "data channel over TCP": 1.0}
+
+
+def sweep_batch(nbytes: int) -> int:
+    """Calls per path per turn: about the same time per turn at every size (small calls vary more)."""
+    return max(1, min(16, (4 << 20) // nbytes))
+
+
+def size_label(nbytes: int) -> str:
+    return f"{nbytes >> 20} MiB" if nbytes >= 1 << 20 else f"{nbytes >> 10} KiB"
+
+
+def sweep(address: str, backend: str, torch_rpc: RpcClient, turns: int) -> dict[int, dict[str, list[float]]]:
+    """Each path's call times at each size, in turns (Williams order) of a few calls per path."""
+    from aclnn_client import Client
+    from aclnn_server import LocalClient
+
+    clients = {
+        label: LocalClient(backend) if kwargs is None else Client(address, **kwargs)
+        for label, kwargs in SWEEP_PATHS.items()
+    }
+    results: dict[int, dict[str, list[float]]] = {}
+    try:
+        for nbytes in SWEEP_SIZES:
+            rows = nbytes // (4 * SWEEP_WIDTH)
+            torch_rpc.ask(inputs=[rows, SWEEP_WIDTH])
+            p = aclnn_params(make_inputs(rows, SWEEP_WIDTH))
+            batch = sweep_batch(nbytes)
+            batches: dict[str, Callable[[int], list[float]]] = {RPC: lambda k: torch_rpc.ask(timed=k, warmup=1)}
+            for label, client in clients.items():
+                batches[label] = lambda k, c=client, p=p: timed(lambda: c.run(OP, **p), k, warmup=1)
+            results[nbytes] = interleaved(batches, turns * batch, batch)
+            line = ", ".join(f"{label} {statistics.median(t) * 1e3:.2f} ms" for label, t in results[nbytes].items())
+            print(f"{size_label(nbytes)}: {line}", file=sys.stderr, flush=True)
+    finally:
+        for client in clients.values():
+            client.close()
+    return results
+
+
+def sweep_table(results: dict[int, dict[str, list[float]]]) -> str:
+    """Medians per size and path, and the targeted paths' ratios to PyTorch RPC (median of per-turn ratios)."""
+    labels = [RPC, *SWEEP_PATHS]
+    head = ["tensor", *[f"{label} ms" for label in labels], *[f"{label} / RPC" for label in SWEEP_TARGETS]]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for nbytes, samples in results.items():
+        cells = [size_label(nbytes)] + [f"{statistics.median(samples[label]) * 1e3:.2f}" for label in labels]
+        rpc = statistics.median(samples[RPC])
+        cells += [f"{statistics.median(samples[label]) / rpc:.2f}x" for label in SWEEP_TARGETS]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def sweep_plot(results: dict[int, dict[str, list[float]]], path: str, title: str) -> None:
+    """Time per call against tensor size, one line per path (log-log), and the ratios to PyTorch RPC."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sizes = list(results)
+    labels = [RPC, *SWEEP_PATHS]
+    colors = dict(zip(labels, ["black", *plt.get_cmap("tab10").colors]))  # a path's color in both panels
+    fig, (times, ratios) = plt.subplots(1, 2, figsize=(13, 5.2))
+    for label in labels:
+        medians = [statistics.median(results[s][label]) * 1e3 for s in sizes]
+        width = 2.5 if label == RPC else 1.5
+        times.plot(sizes, medians, marker="o", markersize=4, label=label, color=colors[label], linewidth=width)
+    for label, target in SWEEP_TARGETS.items():
+        ratio = [statistics.median(results[s][label]) / statistics.median(results[s][RPC]) for s in sizes]
+        ratios.plot(sizes, ratio, marker="o", markersize=4, label=label, color=colors[label])
+        ratios.axhline(target, color=colors[label], linestyle=":", linewidth=1)
+    for axis in (times, ratios):
+        axis.set_xscale("log", base=2)
+        axis.set_xticks(sizes, [size_label(s) for s in sizes], rotation=45)
+        axis.set_xlabel("bytes per tensor (gradOut, input and gradInput each)")
+        axis.grid(True, which="major", alpha=0.3)
+    times.set_yscale("log")
+    times.set_ylabel("ms per call (median)")
+    times.set_title("time per call")
+    times.legend(fontsize=8)
+    ratios.set_ylabel("time / PyTorch RPC's (dotted: target)")
+    ratios.set_ylim(bottom=0)
+    ratios.set_title("against PyTorch RPC")
+    ratios.legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="smaller large call, fewer repeats")
     # Not auto: it serves from the NumPy reference until the cpu kernels are in, and a timed call could land there;
     # a backend named prints `listening on` once it is ready.
     parser.add_argument("--backend", default="cpu", help="aclnn-serve backend (default cpu)")
+    parser.add_argument("--sweep", action="store_true", help="only the size sweep (64 KiB .. 64 MiB per tensor)")
+    parser.add_argument("--turns", type=int, default=6, help="sweep: turns per size (default 6: balanced for 6 paths)")
+    parser.add_argument("--plot", default="docs/transport_sweep.png", help="sweep: where the PNG goes")
     args = parser.parse_args()
     from aclnn_client import Client
     from aclnn_common._proto import aclnn_pb2 as pb
@@ -163,12 +271,12 @@ def main() -> int:
             "0",
             "--backend",
             args.backend,
-            "--max-message-bytes",
-            str(2**31 - 1),
             "--log-level",
             "WARNING",
             "--max-queue",
             "256",
+            # The large gRPC unary call needs messages beyond the default; the sweep uses the defaults.
+            *([] if args.sweep else ["--max-message-bytes", str(2**31 - 1)]),
         ],
         stdout=subprocess.PIPE,
         text=True,
@@ -182,6 +290,17 @@ def main() -> int:
     torch_rpc = RpcClient(here, rpc_port, worker)
     rows_out: list[tuple[str, str, float, float | tuple[float, float]]] = []
     try:
+        if args.sweep:
+            results = sweep(address, args.backend, torch_rpc, args.turns)
+            title = (
+                f"LayerNorm backward, [rows, {SWEEP_WIDTH}] fp32, aclnn-serve backend {args.backend}, "
+                f"{os.cpu_count()} cores, one run (load average {os.getloadavg()[0]:.1f})"
+            )
+            print(f"\nTransport size sweep: {title}\n")
+            print(sweep_table(results))
+            sweep_plot(results, args.plot, title)
+            print(f"\nplot: {args.plot}")
+            return 0
         # Large call: end to end, inputs up and all three outputs back.
         inputs = make_inputs(large_rows, 4096)
         torch_rpc.ask(inputs=[large_rows, 4096])
