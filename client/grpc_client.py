@@ -51,6 +51,11 @@ _BACKOFF_S = 0.05
 _KEEPALIVE_S = 10.0
 # Balanced channels spread stateless calls over every backend the name resolves to.
 _SERVICE_CONFIG = '{"loadBalancingConfig": [{"round_robin": {}}]}'
+# The default inline limits (max_inline_bytes None). Over gRPC a message's cost grows faster than its
+# size (protobuf copies, and upb's serializer beyond a few MiB): streaming took less from 512 KiB-1 MiB
+# tensors on (bench/transport.py --sweep). The data channel sends inline tensors raw, without that cost.
+DATA_CHANNEL_INLINE_BYTES = 4 << 20
+GRPC_INLINE_BYTES = 512 << 10
 
 
 class Client(BaseClient):
@@ -70,7 +75,9 @@ class Client(BaseClient):
     ValueError unless `allow_plaintext_token=True`. `timeout` is each RPC's deadline in seconds.
 
     Tensors larger than `max_inline_bytes` are streamed in chunks and referenced by handle,
-    so they may exceed gRPC's message limits (2 GiB included). With `data_channel=True` (the
+    so they may exceed gRPC's message limits (2 GiB included); by default 4 MiB over the data
+    channel, where inline tensors travel raw beside the call, and GRPC_INLINE_BYTES over gRPC,
+    whose messages cost more per byte than streaming beyond that. With `data_channel=True` (the
     default), calls and tensor bytes go over the server's data channel, which moves bytes
     without protobuf copies: its Unix socket when the server runs on this host (a loopback
     target; `unix_socket=False`: never), else a TCP connection beside gRPC (with the same
@@ -93,7 +100,7 @@ class Client(BaseClient):
         data_channel: bool = True,
         unix_socket: bool = True,
         timeout: float | None = None,
-        max_inline_bytes: int = 4 << 20,
+        max_inline_bytes: int | None = None,
         options: Sequence[tuple[str, Any]] = (),
     ) -> None:
         parsed = parse_target(target)
@@ -641,9 +648,10 @@ class _Transfers:
     def attaches(self, replica: int) -> bool:
         return self.client._data_channel(replica) is not None
 
-    @property
-    def max_inline_bytes(self) -> int:
-        return self.client.max_inline_bytes
+    def max_inline_bytes(self, replica: int) -> int:
+        if self.client.max_inline_bytes is not None:
+            return self.client.max_inline_bytes
+        return DATA_CHANNEL_INLINE_BYTES if self.attaches(replica) else GRPC_INLINE_BYTES
 
 
 def _lost(executor: Executor, error: AclnnError) -> bool:

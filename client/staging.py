@@ -22,8 +22,10 @@ from .regions import Region
 class Transfers(Protocol):
     """What staging needs of its client: moving bytes to and from one replica outside the call's message."""
 
-    max_inline_bytes: int  # larger tensors are uploaded, larger results kept on the server
     shared_memory: bool
+
+    def max_inline_bytes(self, replica: int) -> int:
+        """Larger tensors are uploaded to the replica, larger results kept on it."""
 
     def upload(self, replica: int, data: memoryview, reservation: str = "") -> str:
         """Stores the bytes on the replica (in the memory of a call's reservation); returns their handle."""
@@ -119,9 +121,8 @@ class Staging:
         waiting for memory another call's first upload holds."""
         data = {name: byte_view(tensor.data) for name, tensor in tensors.items()}
         regions = {name: self._region(replica, view.nbytes) for name, view in data.items()}
-        uploads = [
-            n for n, view in data.items() if regions[n] is None and view.nbytes > self.transfers.max_inline_bytes
-        ]
+        limit = self.transfers.max_inline_bytes(replica)
+        uploads = [n for n, view in data.items() if regions[n] is None and view.nbytes > limit]
         if uploads:
             reservation.uploads.extend(uploads)
             self.reservation, self._reserved_on = self.transfers.reserve(replica, reservation), replica
@@ -158,7 +159,7 @@ class Staging:
             if region is not None:
                 self.output_regions[name] = region[0]
                 placements[name].region.CopyFrom(pb.RegionSlice(region=region[1], offset=0, size=size))
-            elif size > self.transfers.max_inline_bytes:
+            elif size > self.transfers.max_inline_bytes(replica):
                 placements[name].keep_on_server = True
                 self.kept = True
             elif self._attaching(replica):

@@ -55,6 +55,19 @@ def test_large_tensors_stream_in_chunks_and_are_freed(serve, rng, phase):
     assert received >= 2 * 512 * 1024 * 4  # gradOut and input went through UploadTensor
 
 
+def test_default_inline_limits_follow_the_transport(serve, rng):
+    """1 MiB tensors: inline (raw) over the data channel, streamed over gRPC (GRPC_INLINE_BYTES)."""
+    address, server, _ = serve()
+    p = layer_norm_call(rng, (256, 1024))
+    uploaded = server.metrics.bytes_in.labels("UploadTensor")
+    for data_channel, streamed in ((True, 0), (False, 2 * p["input"].nbytes)):
+        before = uploaded._value.get()
+        with Client(address, data_channel=data_channel) as c:
+            c.run(OP, **p)
+        check(p)
+        assert uploaded._value.get() - before == streamed
+
+
 def upload(address: str, chunks, session: str = "s1") -> pb.TensorHandle:
     with grpc.insecure_channel(address) as channel:
         return pb_grpc.AclnnStub(channel).UploadTensor(iter(chunks), metadata=(("x-aclnn-session", session),))
