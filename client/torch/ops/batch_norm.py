@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -14,6 +15,7 @@ from aclnn_common.api import BaseClient
 from ..clients import client_by_id, client_id, live_client
 from ..gradients import copy_back, empty_gradient, gradient_buffer, staged
 from ..local import differentiable_gradients, unserved_dtype, warn_not_served
+from .eager import compiling, eager_function
 
 
 def _batch_norm_forward(
@@ -52,8 +54,7 @@ _batch_norm_op = torch.library.custom_op("aclnn::batch_norm", _batch_norm_forwar
 _batch_norm_op.register_fake(_batch_norm_forward)  # aten's kernels have meta implementations
 
 
-@torch.library.custom_op("aclnn::batch_norm_backward", mutates_args=())
-def _batch_norm_backward_op(
+def _batch_norm_remote(
     grad_out: Tensor,
     input: Tensor,
     weight: Tensor | None,
@@ -105,6 +106,9 @@ def _batch_norm_backward_op(
     return grad_input, grad_weight, grad_bias
 
 
+_batch_norm_backward_op = torch.library.custom_op("aclnn::batch_norm_backward", _batch_norm_remote, mutates_args=())
+
+
 @_batch_norm_backward_op.register_fake
 def _batch_norm_backward_fake(
     grad_out,
@@ -141,35 +145,43 @@ def _batch_norm_setup(ctx: Any, inputs: tuple, output: tuple) -> None:
     ctx.keep_alive = live_client(client)
 
 
-def _batch_norm_backward(ctx: Any, grad_out: Tensor, *_grad_stats: Tensor) -> tuple:
-    input, weight, bias, running_mean, running_var, save_mean, save_invstd = ctx.saved_tensors
-    need = ctx.needs_input_grad
-    mask = [need[0], need[1], need[2]]
-    if not any(mask):
-        return (None,) * 9
-    if torch.is_grad_enabled():  # create_graph: the gradient is differentiated again (see local.py)
-        training, eps = ctx.training, ctx.eps
-        forward = lambda x, w, b: F.batch_norm(x, running_mean, running_var, w, b, training, 0.0, eps)  # noqa: E731
-        gi, gw, gb = differentiable_gradients(forward, (input, weight, bias), mask, grad_out)
-        return gi, gw, gb, *(None,) * 6
-    gi, gw, gb = _batch_norm_backward_op(
-        grad_out,
-        input,
-        weight,
-        bias,
-        running_mean,
-        running_var,
-        save_mean,
-        save_invstd,
-        ctx.training,
-        ctx.eps,
-        mask,
-        ctx.client,
-    )
-    return gi if mask[0] else None, gw if mask[1] else None, gb if mask[2] else None, *(None,) * 6
+def _batch_norm_backward(remote: Callable[..., tuple]) -> Callable[..., tuple]:
+    """The backward, calling `remote` (the custom op, or in eager mode the function itself)."""
+
+    def backward(ctx: Any, grad_out: Tensor, *_grad_stats: Tensor) -> tuple:
+        input, weight, bias, running_mean, running_var, save_mean, save_invstd = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        mask = [need[0], need[1], need[2]]
+        if not any(mask):
+            return (None,) * 9
+        if torch.is_grad_enabled():  # create_graph: the gradient is differentiated again (see local.py)
+            training, eps = ctx.training, ctx.eps
+            forward = lambda x, w, b: F.batch_norm(x, running_mean, running_var, w, b, training, 0.0, eps)  # noqa: E731
+            gi, gw, gb = differentiable_gradients(forward, (input, weight, bias), mask, grad_out)
+            return gi, gw, gb, *(None,) * 6
+        gi, gw, gb = remote(
+            grad_out,
+            input,
+            weight,
+            bias,
+            running_mean,
+            running_var,
+            save_mean,
+            save_invstd,
+            ctx.training,
+            ctx.eps,
+            mask,
+            ctx.client,
+        )
+        return gi if mask[0] else None, gw if mask[1] else None, gb if mask[2] else None, *(None,) * 6
+
+    return backward
 
 
-_batch_norm_op.register_autograd(_batch_norm_backward, setup_context=_batch_norm_setup)
+_batch_norm_op.register_autograd(_batch_norm_backward(_batch_norm_backward_op), setup_context=_batch_norm_setup)
+_batch_norm_eager = eager_function(
+    "BatchNormFunction", _batch_norm_forward, _batch_norm_setup, _batch_norm_backward(_batch_norm_remote)
+)
 
 
 def batch_norm(
@@ -226,7 +238,7 @@ def batch_norm_with_id(
         # Nothing to normalize: aten's batch_norm answers input·weight[0] + bias[0] (empty, but on the
         # autograd graph), running statistics untouched; there is no backward to send anywhere.
         return torch.nn.functional.batch_norm(input, running_mean, running_var, weight, bias, training, momentum, eps)
-    out, _, _, new_mean, new_var = _batch_norm_op(
+    out, _, _, new_mean, new_var = (_batch_norm_op if compiling() else _batch_norm_eager)(
         input, weight, bias, running_mean, running_var, training, float(momentum), eps, cid
     )
     if training and running_mean is not None and running_var is not None:

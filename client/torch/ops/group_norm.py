@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -14,6 +15,7 @@ from aclnn_common.api import BaseClient
 from ..clients import client_by_id, client_id, live_client
 from ..gradients import copy_back, empty_gradient, gradient_buffer, staged
 from ..local import differentiable_gradients, unserved_dtype, warn_not_served
+from .eager import compiling, eager_function
 
 
 def _group_sizes(input: Tensor) -> tuple[int, int, int]:
@@ -21,21 +23,18 @@ def _group_sizes(input: Tensor) -> tuple[int, int, int]:
     return input.shape[0], input.shape[1], math.prod(input.shape[2:])
 
 
-@torch.library.custom_op("aclnn::group_norm", mutates_args=())
-def _group_norm_op(
+def _group_norm_forward(
     input: Tensor, num_groups: int, weight: Tensor | None, bias: Tensor | None, eps: float, client: int
 ) -> tuple[Tensor, Tensor, Tensor]:
     """aten's native_group_norm: (output, mean, rstd), the statistics `[N, group]`; `client` is for the backward."""
     return torch.ops.aten.native_group_norm(input, weight, bias, *_group_sizes(input), num_groups, eps)
 
 
-@_group_norm_op.register_fake
-def _group_norm_fake(input, num_groups, weight, bias, eps, client):
-    return torch.ops.aten.native_group_norm(input, weight, bias, *_group_sizes(input), num_groups, eps)
+_group_norm_op = torch.library.custom_op("aclnn::group_norm", _group_norm_forward, mutates_args=())
+_group_norm_op.register_fake(_group_norm_forward)  # aten's kernel has a meta implementation
 
 
-@torch.library.custom_op("aclnn::group_norm_backward", mutates_args=())
-def _group_norm_backward_op(
+def _group_norm_remote(
     grad_out: Tensor,
     input: Tensor,
     mean: Tensor,
@@ -77,6 +76,9 @@ def _group_norm_backward_op(
     return grad_input, grad_weight, grad_bias
 
 
+_group_norm_backward_op = torch.library.custom_op("aclnn::group_norm_backward", _group_norm_remote, mutates_args=())
+
+
 @_group_norm_backward_op.register_fake
 def _group_norm_backward_fake(grad_out, input, mean, rstd, weight, num_groups, output_mask, client):
     c = input.shape[1]
@@ -97,21 +99,29 @@ def _group_norm_setup(ctx: Any, inputs: tuple, output: tuple) -> None:
     ctx.keep_alive = live_client(client)
 
 
-def _group_norm_backward(ctx: Any, grad_out: Tensor, _grad_mean: Tensor, _grad_rstd: Tensor) -> tuple:
-    input, weight, bias, mean, rstd = ctx.saved_tensors
-    need = ctx.needs_input_grad
-    mask = [need[0], need[2], need[3]]
-    if not any(mask):
-        return (None,) * 6
-    if torch.is_grad_enabled():  # create_graph: the gradient is differentiated again (see local.py)
-        forward = lambda x, w, b: F.group_norm(x, ctx.num_groups, w, b, ctx.eps)  # noqa: E731
-        gi, gw, gb = differentiable_gradients(forward, (input, weight, bias), mask, grad_out)
-    else:
-        gi, gw, gb = _group_norm_backward_op(grad_out, input, mean, rstd, weight, ctx.num_groups, mask, ctx.client)
-    return gi if mask[0] else None, None, gw if mask[1] else None, gb if mask[2] else None, None, None
+def _group_norm_backward(remote: Callable[..., tuple]) -> Callable[..., tuple]:
+    """The backward, calling `remote` (the custom op, or in eager mode the function itself)."""
+
+    def backward(ctx: Any, grad_out: Tensor, _grad_mean: Tensor, _grad_rstd: Tensor) -> tuple:
+        input, weight, bias, mean, rstd = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        mask = [need[0], need[2], need[3]]
+        if not any(mask):
+            return (None,) * 6
+        if torch.is_grad_enabled():  # create_graph: the gradient is differentiated again (see local.py)
+            forward = lambda x, w, b: F.group_norm(x, ctx.num_groups, w, b, ctx.eps)  # noqa: E731
+            gi, gw, gb = differentiable_gradients(forward, (input, weight, bias), mask, grad_out)
+        else:
+            gi, gw, gb = remote(grad_out, input, mean, rstd, weight, ctx.num_groups, mask, ctx.client)
+        return gi if mask[0] else None, None, gw if mask[1] else None, gb if mask[2] else None, None, None
+
+    return backward
 
 
-_group_norm_op.register_autograd(_group_norm_backward, setup_context=_group_norm_setup)
+_group_norm_op.register_autograd(_group_norm_backward(_group_norm_backward_op), setup_context=_group_norm_setup)
+_group_norm_eager = eager_function(
+    "GroupNormFunction", _group_norm_forward, _group_norm_setup, _group_norm_backward(_group_norm_remote)
+)
 
 
 def group_norm(
@@ -142,4 +152,4 @@ def group_norm_with_id(
     if size[0] * math.prod(size[2:]) == 1:
         raise ValueError(f"Expected more than 1 value per channel when training, got input size {size}")
     # aten's group_norm makes the input contiguous before native_group_norm, which needs it
-    return _group_norm_op(input.contiguous(), num_groups, weight, bias, eps, cid)[0]
+    return (_group_norm_op if compiling() else _group_norm_eager)(input.contiguous(), num_groups, weight, bias, eps, cid)[0]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -14,23 +14,21 @@ from aclnn_common.api import BaseClient
 from ..clients import client_by_id, client_id, live_client
 from ..gradients import empty_gradient, gradient_buffer
 from ..local import differentiable_gradients, unserved_dtype, warn_not_served
+from .eager import compiling, eager_function
 
 
-@torch.library.custom_op("aclnn::layer_norm", mutates_args=())
-def _layer_norm_op(
+def _layer_norm_forward(
     input: Tensor, normalized_shape: list[int], weight: Tensor | None, bias: Tensor | None, eps: float, client: int
 ) -> tuple[Tensor, Tensor, Tensor]:
     """aten's native_layer_norm: (output, mean, rstd); `client` is for the backward."""
     return torch.ops.aten.native_layer_norm(input, normalized_shape, weight, bias, eps)
 
 
-@_layer_norm_op.register_fake
-def _layer_norm_fake(input, normalized_shape, weight, bias, eps, client):
-    return torch.ops.aten.native_layer_norm(input, normalized_shape, weight, bias, eps)
+_layer_norm_op = torch.library.custom_op("aclnn::layer_norm", _layer_norm_forward, mutates_args=())
+_layer_norm_op.register_fake(_layer_norm_forward)  # aten's kernel has a meta implementation
 
 
-@torch.library.custom_op("aclnn::layer_norm_backward", mutates_args=())
-def _layer_norm_backward_op(
+def _layer_norm_remote(
     grad_out: Tensor,
     input: Tensor,
     normalized_shape: list[int],
@@ -62,6 +60,9 @@ def _layer_norm_backward_op(
     return grad_input, grad_weight, grad_bias
 
 
+_layer_norm_backward_op = torch.library.custom_op("aclnn::layer_norm_backward", _layer_norm_remote, mutates_args=())
+
+
 @_layer_norm_backward_op.register_fake
 def _layer_norm_backward_fake(grad_out, input, normalized_shape, mean, rstd, weight, bias, output_mask, client):
     params_dtype = weight.dtype if weight is not None else input.dtype
@@ -83,23 +84,29 @@ def _layer_norm_setup(ctx: Any, inputs: tuple, output: tuple) -> None:
     ctx.keep_alive = live_client(client)  # until the backward: a client made just for the call
 
 
-def _layer_norm_backward(ctx: Any, grad_out: Tensor, _grad_mean: Tensor, _grad_rstd: Tensor) -> tuple:
-    input, weight, bias, mean, rstd = ctx.saved_tensors
-    need = ctx.needs_input_grad
-    mask = [need[0], need[2], need[3]]
-    if not any(mask):
-        return None, None, None, None, None, None
-    if torch.is_grad_enabled():  # create_graph: the gradient is differentiated again (see local.py)
-        forward = lambda x, w, b: F.layer_norm(x, ctx.normalized_shape, w, b, ctx.eps)  # noqa: E731
-        gi, gw, gb = differentiable_gradients(forward, (input, weight, bias), mask, grad_out)
-    else:
-        gi, gw, gb = _layer_norm_backward_op(
-            grad_out, input, ctx.normalized_shape, mean, rstd, weight, bias, mask, ctx.client
-        )
-    return gi if mask[0] else None, None, gw if mask[1] else None, gb if mask[2] else None, None, None
+def _layer_norm_backward(remote: Callable[..., tuple]) -> Callable[..., tuple]:
+    """The backward, calling `remote` (the custom op, or in eager mode the function itself)."""
+
+    def backward(ctx: Any, grad_out: Tensor, _grad_mean: Tensor, _grad_rstd: Tensor) -> tuple:
+        input, weight, bias, mean, rstd = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        mask = [need[0], need[2], need[3]]
+        if not any(mask):
+            return None, None, None, None, None, None
+        if torch.is_grad_enabled():  # create_graph: the gradient is differentiated again (see local.py)
+            forward = lambda x, w, b: F.layer_norm(x, ctx.normalized_shape, w, b, ctx.eps)  # noqa: E731
+            gi, gw, gb = differentiable_gradients(forward, (input, weight, bias), mask, grad_out)
+        else:
+            gi, gw, gb = remote(grad_out, input, ctx.normalized_shape, mean, rstd, weight, bias, mask, ctx.client)
+        return gi if mask[0] else None, None, gw if mask[1] else None, gb if mask[2] else None, None, None
+
+    return backward
 
 
-_layer_norm_op.register_autograd(_layer_norm_backward, setup_context=_layer_norm_setup)
+_layer_norm_op.register_autograd(_layer_norm_backward(_layer_norm_backward_op), setup_context=_layer_norm_setup)
+_layer_norm_eager = eager_function(
+    "LayerNormFunction", _layer_norm_forward, _layer_norm_setup, _layer_norm_backward(_layer_norm_remote)
+)
 
 
 def layer_norm(
@@ -130,4 +137,4 @@ def layer_norm_with_id(
     cid: int,
 ) -> Tensor:
     shape = [normalized_shape] if isinstance(normalized_shape, int) else list(normalized_shape)
-    return _layer_norm_op(input, shape, weight, bias, eps, cid)[0]
+    return (_layer_norm_op if compiling() else _layer_norm_eager)(input, shape, weight, bias, eps, cid)[0]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -14,10 +14,10 @@ from aclnn_common.api import BaseClient
 from ..clients import client_by_id, client_id, live_client
 from ..gradients import empty_gradient, gradient_buffer
 from ..local import differentiable_gradients, unserved_dtype, warn_not_served
+from .eager import compiling, eager_function
 
 
-@torch.library.custom_op("aclnn::rms_norm", mutates_args=())
-def _rms_norm_op(
+def _rms_norm_forward(
     input: Tensor, normalized_shape: list[int], weight: Tensor | None, eps: float | None, client: int
 ) -> tuple[Tensor, Tensor]:
     """aten's _fused_rms_norm: (output, rstd), rstd in FLOAT with the normalized dims kept as 1, as
@@ -25,13 +25,11 @@ def _rms_norm_op(
     return torch.ops.aten._fused_rms_norm(input, normalized_shape, weight, eps)
 
 
-@_rms_norm_op.register_fake
-def _rms_norm_fake(input, normalized_shape, weight, eps, client):
-    return torch.ops.aten._fused_rms_norm(input, normalized_shape, weight, eps)
+_rms_norm_op = torch.library.custom_op("aclnn::rms_norm", _rms_norm_forward, mutates_args=())
+_rms_norm_op.register_fake(_rms_norm_forward)  # aten's kernel has a meta implementation
 
 
-@torch.library.custom_op("aclnn::rms_norm_backward", mutates_args=())
-def _rms_norm_backward_op(
+def _rms_norm_remote(
     grad_out: Tensor,
     input: Tensor,
     normalized_shape: list[int],
@@ -59,6 +57,9 @@ def _rms_norm_backward_op(
     return grad_input, grad_weight
 
 
+_rms_norm_backward_op = torch.library.custom_op("aclnn::rms_norm_backward", _rms_norm_remote, mutates_args=())
+
+
 @_rms_norm_backward_op.register_fake
 def _rms_norm_backward_fake(grad_out, input, normalized_shape, rstd, weight, output_mask, client):
     return (
@@ -75,20 +76,28 @@ def _rms_norm_setup(ctx: Any, inputs: tuple, output: tuple) -> None:
     ctx.keep_alive = live_client(client)
 
 
-def _rms_norm_backward(ctx: Any, grad_out: Tensor, _grad_rstd: Tensor) -> tuple:
-    input, weight, rstd = ctx.saved_tensors
-    mask = [ctx.needs_input_grad[0], ctx.needs_input_grad[2]]
-    if not any(mask):
-        return (None,) * 5
-    if torch.is_grad_enabled():  # create_graph: the gradient is differentiated again (see local.py)
-        forward = lambda x, w: F.rms_norm(x, ctx.normalized_shape, w, ctx.eps)  # noqa: E731
-        gi, gw = differentiable_gradients(forward, (input, weight), mask, grad_out)
-    else:
-        gi, gw = _rms_norm_backward_op(grad_out, input, ctx.normalized_shape, rstd, weight, mask, ctx.client)
-    return gi if mask[0] else None, None, gw if mask[1] else None, None, None
+def _rms_norm_backward(remote: Callable[..., tuple]) -> Callable[..., tuple]:
+    """The backward, calling `remote` (the custom op, or in eager mode the function itself)."""
+
+    def backward(ctx: Any, grad_out: Tensor, _grad_rstd: Tensor) -> tuple:
+        input, weight, rstd = ctx.saved_tensors
+        mask = [ctx.needs_input_grad[0], ctx.needs_input_grad[2]]
+        if not any(mask):
+            return (None,) * 5
+        if torch.is_grad_enabled():  # create_graph: the gradient is differentiated again (see local.py)
+            forward = lambda x, w: F.rms_norm(x, ctx.normalized_shape, w, ctx.eps)  # noqa: E731
+            gi, gw = differentiable_gradients(forward, (input, weight), mask, grad_out)
+        else:
+            gi, gw = remote(grad_out, input, ctx.normalized_shape, rstd, weight, mask, ctx.client)
+        return gi if mask[0] else None, None, gw if mask[1] else None, None, None
+
+    return backward
 
 
-_rms_norm_op.register_autograd(_rms_norm_backward, setup_context=_rms_norm_setup)
+_rms_norm_op.register_autograd(_rms_norm_backward(_rms_norm_backward_op), setup_context=_rms_norm_setup)
+_rms_norm_eager = eager_function(
+    "RmsNormFunction", _rms_norm_forward, _rms_norm_setup, _rms_norm_backward(_rms_norm_remote)
+)
 
 
 def rms_norm(
@@ -114,7 +123,7 @@ def rms_norm_with_id(
 ) -> Tensor:
     shape = [normalized_shape] if isinstance(normalized_shape, int) else list(normalized_shape)
     _check_rms_norm_inputs(input, shape, weight)
-    return _rms_norm_op(input, shape, weight, eps, cid)[0]
+    return (_rms_norm_op if compiling() else _rms_norm_eager)(input, shape, weight, eps, cid)[0]
 
 
 def _check_rms_norm_inputs(input: Tensor, shape: list[int], weight: Tensor | None) -> None:
