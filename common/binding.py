@@ -108,11 +108,16 @@ class BoundCall:
         # An in/out tensor's input is its own destination (the engine reads it there before computing):
         # it is checked against the other outputs as a view, not against itself as an input.
         inputs = [t.data for n, t in self.inputs().items() if n not in self.inout and isinstance(t.data, np.ndarray)]
-        for name, view in views.items():
-            others = [v for n, v in views.items() if n != name]
-            if any(np.may_share_memory(view, other) for other in inputs + others):
-                return {}
-        return views
+        return views if disjoint(views, inputs) else {}
+
+
+def disjoint(views: Mapping[str, np.ndarray], inputs: list[np.ndarray]) -> bool:
+    """Whether no output view shares memory with an input or with another output view."""
+    for name, view in views.items():
+        others = [v for n, v in views.items() if n != name]
+        if any(np.may_share_memory(view, other) for other in inputs + others):
+            return False
+    return True
 
 
 def bind(
