@@ -3,9 +3,11 @@
     .venv/bin/python bench/torch_offload.py            # full size (LayerNorm-heavy model at 4096x2048 fp32)
     .venv/bin/python bench/torch_offload.py --quick    # smaller activations, fewer rounds
 
-Two models, each trained with SGD (zero_grad, forward, loss, backward, step) on a fixed batch:
+Three models, each trained with SGD (zero_grad, forward, loss, backward, step) on a fixed batch:
   * LayerNorm-heavy: `depth` residual blocks x = x + LayerNorm(x), activations rows x width fp32;
-  * BatchNorm CNN: conv 3->32, BN, ReLU, conv 32->64 stride 2, BN, ReLU, pool, linear, BN1d.
+  * BatchNorm CNN: conv 3->32, BN, ReLU, conv 32->64 stride 2, BN, ReLU, pool, linear, BN1d;
+  * small MLP: batch 64, 32->64->64->5 with two LayerNorm(64): a step of a few hundred us, where
+    the fixed cost of each offloaded call (binding, validation, the transport) is what shows.
 Three ways, in interleaved rounds (medians per step, ratios to plain PyTorch from this one run):
   * plain PyTorch (aten's own backward kernels);
   * offloaded through LocalClient("cpu") (the service's compiled CPU backend, in process);
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import os
 import re
 import socket
 import statistics
@@ -65,6 +68,12 @@ def bn_cnn() -> nn.Module:
         nn.Flatten(),
         nn.Linear(64 * 16, 128, bias=False),
         nn.BatchNorm1d(128),
+    )
+
+
+def small_mlp() -> nn.Module:
+    return nn.Sequential(
+        nn.Linear(32, 64), nn.LayerNorm(64), nn.ReLU(), nn.Linear(64, 64), nn.LayerNorm(64), nn.ReLU(), nn.Linear(64, 5)
     )
 
 
@@ -118,7 +127,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="1024x2048 activations, fewer rounds")
     parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 5, quick 3)")
+    parser.add_argument("--only", default="", help="only the models whose label contains this (e.g. 'MLP')")
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: PyTorch's)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     rows, rounds, steps = (1024, 3, 3) if args.quick else (4096, args.rounds or 5, 3)
     rounds = args.rounds or rounds
 
@@ -132,19 +145,25 @@ def main() -> None:
     local, remote, shared = LocalClient("cpu"), Client(address), Client(address, shared_memory=True)
     timed = TimedClient(remote)
     torch.manual_seed(0)
-    workloads = {
+    workloads = {  # label: (model, batch, steps per round)
         f"LayerNorm-heavy, 4 x LayerNorm({2048}) on {rows}x2048 fp32": (
             LayerNormHeavy(2048, 4),
             torch.randn(rows, 2048),
+            steps,
         ),
-        "BatchNorm CNN, 32x3x64x64 fp32": (bn_cnn(), torch.randn(32, 3, 64, 64)),
+        "BatchNorm CNN, 32x3x64x64 fp32": (bn_cnn(), torch.randn(32, 3, 64, 64), steps),
+        "small MLP 32-64-64-5, two LayerNorm(64), batch 64 fp32": (small_mlp(), torch.randn(64, 32), 20 * steps),
     }
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; {rounds} rounds x {steps} steps each\n")
+    workloads = {label: w for label, w in workloads.items() if args.only.lower() in label.lower()}
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads; {rounds} rounds x {steps} steps each "
+        f"(the small MLP {20 * steps}); load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores\n"
+    )
     print("| model | path | ms per step | ratio to plain PyTorch |")
     print("|---|---|---|---|")
     breakdowns = []
     try:
-        for label, (model, x) in workloads.items():
+        for label, (model, x, per_round) in workloads.items():
             paths = {
                 "plain PyTorch": step_fn(model, x),
                 "offloaded, LocalClient cpu": step_fn(offload_norms(copy.deepcopy(model), local), x),
@@ -161,9 +180,9 @@ def main() -> None:
                 for name, step in paths.items():
                     before = phase_seconds(metrics_port) if name == BROKEN_DOWN else None
                     start = time.perf_counter()
-                    for _ in range(steps):
+                    for _ in range(per_round):
                         step()
-                    times[name].append((time.perf_counter() - start) / steps)
+                    times[name].append((time.perf_counter() - start) / per_round)
                     if before is not None:
                         phases = {k: phases[k] + v - before[k] for k, v in phase_seconds(metrics_port).items()}
             plain = statistics.median(times["plain PyTorch"])
@@ -172,7 +191,7 @@ def main() -> None:
                 ratios = [s / p for s, p in zip(samples, times["plain PyTorch"])]
                 print(f"| {label if name == 'plain PyTorch' else ''} | {name} | {t * 1e3:.1f} | "
                       f"{statistics.median(ratios):.2f} |")  # fmt: skip
-            n_steps = rounds * steps
+            n_steps = rounds * per_round
             server_total = sum(phases.values())
             breakdowns.append(
                 (label, timed.calls / n_steps, timed.seconds / n_steps, {k: v / n_steps for k, v in phases.items()},
