@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import grpc
 import numpy as np
 import pytest
@@ -169,3 +171,20 @@ def test_attachments_fold_back_into_the_message_for_grpc(rng):
 
 def _values(p: dict) -> dict:
     return bind(OP, p, frozenset(OUTPUTS)).values
+
+
+def test_a_large_request_over_tcp_arriving_in_pieces_is_served(serve):
+    """A large payload wakes the server once most of its rest is there (SO_RCVLOWAT), however it is split."""
+    served = serve()
+    payload = b"\x09KeepAlive" + b"\xff" * (3 * MIB)  # not a message: answered INVALID_ARGUMENT once whole
+    with connect(ticket(served.address)) as sock:
+        assert reply(sock)[0]
+        data = request(CALL, len(payload)) + payload
+        for start, end in ((0, 100_000), (100_000, 2 * MIB), (2 * MIB, len(data))):
+            sock.sendall(data[start:end])
+            time.sleep(0.05)
+        ok, answer = reply(sock)
+        assert not ok and error_of(answer).grpc_code == grpc.StatusCode.INVALID_ARGUMENT
+        keepalive = b"\x09KeepAlive"
+        sock.sendall(request(CALL, len(keepalive)) + keepalive)
+        assert reply(sock) == (True, b"")

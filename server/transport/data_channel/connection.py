@@ -70,6 +70,7 @@ class Connection:
         self.refusal: status_pb2.Status | None = None  # the answer once a refused payload is drained
         self.discard = 0  # bytes of a refused payload still to drain
         self.mailbox: Mailbox | None = None  # where large CALL payloads come in (Unix socket)
+        self.lowat = 1  # the socket's SO_RCVLOWAT: raised while a large payload arrives over TCP
 
     def next_request(self) -> None:
         """Waits for a request header, into the connection's own buffer (made at admission)."""
