@@ -189,7 +189,7 @@ def main() -> None:
             for name, samples in times.items():
                 t = statistics.median(samples)
                 ratios = [s / p for s, p in zip(samples, times["plain PyTorch"])]
-                print(f"| {label if name == 'plain PyTorch' else ''} | {name} | {t * 1e3:.1f} | "
+                print(f"| {label if name == 'plain PyTorch' else ''} | {name} | {t * 1e3:.{1 if t > 0.01 else 3}f} | "
                       f"{statistics.median(ratios):.2f} |")  # fmt: skip
             n_steps = rounds * per_round
             server_total = sum(phases.values())
