@@ -161,8 +161,8 @@ SWEEP_TARGETS = {"default (data channel, Unix socket)": 1.0, "shared memory": 0.
 
 
 def sweep_batch(nbytes: int) -> int:
-    """Calls per path per turn: about the same time per turn at every size (small calls vary more)."""
-    return max(1, min(16, (4 << 20) // nbytes))
+    """Calls per path per turn: about the same time per turn up to 2 MiB (small calls vary more), two beyond."""
+    return max(2, min(16, (4 << 20) // nbytes))
 
 
 def size_label(nbytes: int) -> str:

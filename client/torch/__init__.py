@@ -10,7 +10,8 @@ nn.BatchNorm1d/2d/3d, nn.RMSNorm and nn.GroupNorm of a model do that, in place.
 Both directions are `torch.library` custom ops (`aclnn::layer_norm` etc. with `register_autograd`,
 and the remote `aclnn::layer_norm_backward` etc.),
 so `torch.compile` traces an offloaded model without graph breaks and keeps each remote call as
-one opaque node. An op's arguments can only be tensors and plain values, so the client travels
+one opaque node; outside compilation the same parts run as a plain autograd.Function (`ops/eager.py`),
+which costs less per call. An op's arguments can only be tensors and plain values, so the client travels
 as an int: its id in a registry of live clients.
 
 `SyncBatchNorm` (what `offload_norms` makes of an nn.SyncBatchNorm) runs SyncBatchNorm's statistics,
@@ -19,8 +20,9 @@ torch.distributed: gloo on CPU processes works, which nn.SyncBatchNorm refuses.
 
 This package imports torch; `import aclnn_client` does not.
 
-Rooms: `ops/` (one custom op pair per norm, with the functional form), `sync_batch_norm`, `modules`
-(offload_norms/restore_norms), `clients` (clients as op arguments), `gradients` (gradient buffers).
+Rooms: `ops/` (one custom op pair per norm, with the functional form; `eager`: their eager twins),
+`sync_batch_norm`, `modules` (offload_norms/restore_norms), `clients` (clients as op arguments),
+`gradients` (gradient buffers).
 """
 
 from __future__ import annotations
