@@ -36,6 +36,13 @@ def attached_inputs(p: dict) -> tuple[pb.OpCall, bytes]:
     return call, raw
 
 
+def exchange(sock, method: str, message: bytes, raw: bytes) -> tuple[bool, bytes]:
+    """Sends a CALL | ATTACHED request over a raw connection; the reply (ok, payload)."""
+    payload = attached_call(method, message, raw)
+    sock.sendall(request(CALL | ATTACHED, len(payload)) + payload)
+    return reply(sock)
+
+
 def attached_reply(payload: bytes) -> tuple[bytes, bytes]:
     end = MESSAGE_LENGTH.size + MESSAGE_LENGTH.unpack_from(payload)[0]
     return payload[MESSAGE_LENGTH.size : end], payload[aligned(end) :]
@@ -77,9 +84,7 @@ def test_attached_ranges_are_checked(serve, rng):
         assert reply(sock)[0]
         call.placements["gradInputOut"].attached = True
         call.placements["gradWeightOut"].attached = True
-        payload = attached_call("Run", call.SerializeToString(), raw)
-        sock.sendall(request(CALL | ATTACHED, len(payload)) + payload)
-        ok, answer = reply(sock)
+        ok, answer = exchange(sock, "Run", call.SerializeToString(), raw)
         assert ok, error_of(answer)
         message, results = attached_reply(answer)
         outputs = pb.RunResponse.FromString(message).outputs
@@ -91,9 +96,7 @@ def test_attached_ranges_are_checked(serve, rng):
 
         # A range beyond the attached part is 161002 naming the reference; the connection stays usable.
         call.params["input"].tensor.ref.attached.offset = len(raw)
-        payload = attached_call("Run", call.SerializeToString(), raw)
-        sock.sendall(request(CALL | ATTACHED, len(payload)) + payload)
-        ok, answer = reply(sock)
+        ok, answer = exchange(sock, "Run", call.SerializeToString(), raw)
         error = error_of(answer)
         assert not ok and (error.code, error.param) == (161002, "ref")
         # A message running past the payload does not parse.
@@ -131,14 +134,11 @@ def test_an_executor_keeps_a_copy_of_attached_bytes(serve, rng):
     call, raw = attached_inputs(p)
     with connect(ticket(served.address)) as sock:
         assert reply(sock)[0]
-        payload = attached_call("GetWorkspaceSize", call.SerializeToString(), raw)
-        sock.sendall(request(CALL | ATTACHED, len(payload)) + payload)
-        ok, answer = reply(sock)
+        ok, answer = exchange(sock, "GetWorkspaceSize", call.SerializeToString(), raw)
         assert ok
         plan = pb.WorkspacePlan.FromString(attached_reply(answer)[0])
-        noise = attached_call("GetWorkspaceSize", call.SerializeToString(), bytes(len(raw)))  # overwrites the buffer
-        sock.sendall(request(CALL | ATTACHED, len(noise)) + noise)
-        assert reply(sock)[0]
+        # Another request overwrites the connection's buffer, which held the first one's attached bytes.
+        assert exchange(sock, "GetWorkspaceSize", call.SerializeToString(), bytes(len(raw)))[0]
         execute = pb.ExecuteRequest(executor=plan.executor).SerializeToString()
         sock.sendall(request(CALL, len(execute) + 8) + b"\x07Execute" + execute)
         ok, answer = reply(sock)
