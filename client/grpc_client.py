@@ -646,7 +646,10 @@ class _Transfers:
         self.region, self.retire, self.release = client._region, client._retire, client._regions.release
 
     def attaches(self, replica: int) -> bool:
-        return self.client._data_channel(replica) is not None
+        try:
+            return self.client._data_channel(replica) is not None
+        except AclnnError:  # the replica is unreachable: the call finds out where it can move on, or replan
+            return False
 
     def max_inline_bytes(self, replica: int) -> int:
         if self.client.max_inline_bytes is not None:
