@@ -35,9 +35,15 @@ def test_eager_layer_norm_matches_its_custom_op_bit_for_bit(local):
         assert torch.equal(eager_result, op_result)
 
 
-def test_eager_backward_is_not_differentiable_again(local):
-    x = torch.randn(4, 8, requires_grad=True)
-    y = layer_norm(x, [8], torch.ones(8, requires_grad=True), None, client=local).square().sum()
-    (grad,) = torch.autograd.grad(y, x, create_graph=True)
-    with pytest.raises(RuntimeError, match="differentiate twice"):
+def test_eager_double_backward_differentiates_pytorchs_formula(local):
+    """With create_graph the eager backward, like the custom op's, returns PyTorch's differentiable gradients."""
+    torch.manual_seed(1)
+    x, w = torch.randn(4, 8), torch.randn(8)
+    second = []
+    for offloaded in (True, False):
+        xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
+        out = layer_norm(xi, [8], wi, None, client=local) if offloaded else torch.nn.functional.layer_norm(xi, [8], wi)
+        (grad,) = torch.autograd.grad(out.square().sum(), xi, create_graph=True)
         grad.sum().backward()
+        second.append(xi.grad)
+    torch.testing.assert_close(second[0], second[1])
