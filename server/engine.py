@@ -90,6 +90,9 @@ class CallContext:
     # Set by a transport that sends results after the engine returns: the outputs' memory stays held
     # (in these holds) until the reply is gone. None: the engine releases everything itself.
     holds: list[Hold] | None = None
+    # A data-channel request's bytes, held until its payload's last view is gone (the call's attached
+    # inputs are views of it): not given back with `holds`, but counted by admission as the call's.
+    request: Hold | None = None
     results: Hold | None = None  # the kept outputs' bytes, reserved as stored tensors with the call's
     reserved: dict[str, Hold] | None = None  # a reservation's holds the call runs on (ReserveCall)
     executor: str = ""  # the executor a reservation is for
@@ -554,7 +557,7 @@ class Engine:
             for hold in (reserved or {}).values():
                 hold.release()  # reserved for another call than this: it waits its turn like any other
             needed, given = parts, None
-        held = sum(hold.nbytes for hold in call.holds or ())
+        held = sum(hold.nbytes for hold in call.holds or ()) + (call.request.nbytes if call.request else 0)
         stream = None if call.stream is None else (call.owner, call.session, call.stream)
         with self.admission.slot(needed, call.owner, stream, call.deadline, call.cancelled, held) as (waited, holds):
             holds = given or holds

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from layer_norm_cases import layer_norm_call
 from test_data_channel import OP, OUTPUTS, check, connect, error_of, reply, request, ticket
+from test_transport import wait_for
 
 from aclnn_client import AclnnError, Client
 from aclnn_client.data_channel import Attachments
@@ -188,3 +189,29 @@ def test_a_large_request_over_tcp_arriving_in_pieces_is_served(serve):
         keepalive = b"\x09KeepAlive"
         sock.sendall(request(CALL, len(keepalive)) + keepalive)
         assert reply(sock) == (True, b"")
+
+
+def test_attached_bytes_are_held_while_a_view_lives_not_by_an_idle_connection(serve, rng):
+    """A large request's payload (its attached inputs are views of it) is held in the ledger by a hold
+    that follows the payload's memory: the call's views keep it, and the connection lets go of it once
+    the reply is sent, not only when its next request comes."""
+    served = serve()
+    ledger = served.engine.ledger
+    p = layer_norm_call(rng, (512, 1024))  # 2 MiB tensors: a 4 MiB request
+    call, raw = attached_inputs(p)
+    for name in OUTPUTS:
+        call.placements[name].attached = True
+    with connect(ticket(served.address)) as sock:
+        assert reply(sock)[0]
+        ok, answer = exchange(sock, "Run", call.SerializeToString(), raw)
+        assert ok
+        wait_for(lambda: not ledger.held_by_kind().get("request"))  # the connection stays open, idle
+        message, results = attached_reply(answer)
+        outputs = pb.RunResponse.FromString(message).outputs
+    for name in OUTPUTS:
+        where = outputs[name].attached
+        p[name][...] = np.frombuffer(results[where.offset : where.offset + where.size], np.float32).reshape(
+            p[name].shape
+        )
+    check(p)
+    assert ledger.held_by_kind() == {}

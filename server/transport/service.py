@@ -64,11 +64,15 @@ _RETRY_AFTER = duration_pb2.Duration(nanos=100_000_000)
 
 
 def placed(placements: Mapping[str, pb.OutputPlacement], call: CallContext) -> None:
-    """Sets the outputs delivered outside the reply (a placement counts only with a kind: a region,
-    or kept on the server), and which of them are kept."""
+    """Sets the outputs delivered outside the reply's message (a placement counts only with a kind: a
+    region, kept on the server, or attached: sent from the output's own array, no encoded copy), and
+    which of them are kept."""
     if placements:
         call.kept = frozenset(name for name, p in placements.items() if p.keep_on_server)
-        call.placed = call.kept | {name for name, p in placements.items() if p.WhichOneof("kind") == "region"}
+        call.placed = call.kept | {name for name, p in placements.items() if p.WhichOneof("kind") in _BESIDE}
+
+
+_BESIDE = frozenset({"region", "attached"})
 
 
 def loggable(text: str) -> str:

@@ -88,7 +88,6 @@ class Connection:
         return f"uid:{self.peer[1]}"
 
     def drop_request(self) -> None:
-        """Gives back what the request holds: the memory of its payload."""
-        if self.hold is not None:
-            self.hold.release()
-            self.hold = None
+        """Lets go of the request's payload: its hold ends with the last view of it (Hold.follow)."""
+        self.hold = None
+        self.payload = self.buffer = self.own_buffer

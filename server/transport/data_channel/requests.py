@@ -153,7 +153,9 @@ class Requests:
                 except AclnnError as exc:
                     conn.refusal, conn.discard = failure_status(exc)[0], 0 if in_mailbox else length - early
                 else:
-                    conn.payload = memoryview(np.empty(length, np.uint8))
+                    payload = np.empty(length, np.uint8)
+                    conn.hold.follow(payload)  # held while any view of it lives (attached inputs are views)
+                    conn.payload = memoryview(payload)
                     conn.payload[:early] = conn.buffer[REQUEST.size : conn.got]
                     conn.buffer, conn.got, conn.need = conn.payload, early, length
             if in_mailbox and conn.refusal is None:
@@ -309,7 +311,8 @@ class Requests:
             stream=stream if has_stream else None,
             deadline=time.monotonic() + timeout_ms / 1000 if timeout_ms else None,
             cancelled=lambda: peer_closed(conn.sock),
-            holds=[conn.hold] if conn.hold is not None else [],  # a small request needs none
+            holds=[],
+            request=conn.hold,  # a small request needs none
         )
 
     def fail(self, conn: Connection, failed: status_pb2.Status) -> None:
