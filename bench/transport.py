@@ -165,11 +165,19 @@ def sweep_batch(nbytes: int) -> int:
     return max(2, min(16, (4 << 20) // nbytes))
 
 
+def parse_sizes(text: str) -> list[int]:
+    """Sizes such as 256K,1M (powers of two of at least 64 KiB: whole rows of SWEEP_WIDTH fp32)."""
+    units = {"K": 1 << 10, "M": 1 << 20}
+    return [int(size[:-1]) * units[size[-1].upper()] for size in text.split(",")]
+
+
 def size_label(nbytes: int) -> str:
     return f"{nbytes >> 20} MiB" if nbytes >= 1 << 20 else f"{nbytes >> 10} KiB"
 
 
-def sweep(address: str, backend: str, torch_rpc: RpcClient, turns: int) -> dict[int, dict[str, list[float]]]:
+def sweep(
+    address: str, backend: str, torch_rpc: RpcClient, turns: int, sizes: list[int]
+) -> dict[int, dict[str, list[float]]]:
     """Each path's call times at each size, in turns (Williams order) of a few calls per path."""
     from aclnn_client import Client
     from aclnn_server import LocalClient
@@ -180,7 +188,7 @@ def sweep(address: str, backend: str, torch_rpc: RpcClient, turns: int) -> dict[
     }
     results: dict[int, dict[str, list[float]]] = {}
     try:
-        for nbytes in SWEEP_SIZES:
+        for nbytes in sizes:
             rows = nbytes // (4 * SWEEP_WIDTH)
             torch_rpc.ask(inputs=[rows, SWEEP_WIDTH])
             p = aclnn_params(make_inputs(rows, SWEEP_WIDTH))
@@ -257,6 +265,9 @@ def main() -> int:
     parser.add_argument("--sweep", action="store_true", help="only the size sweep (64 KiB .. 64 MiB per tensor)")
     parser.add_argument("--turns", type=int, default=6, help="sweep: turns per size (default 6: balanced for 6 paths)")
     parser.add_argument("--plot", default="docs/transport_sweep.png", help="sweep: where the PNG goes")
+    parser.add_argument(
+        "--sizes", type=parse_sizes, default=SWEEP_SIZES, help="sweep: bytes per tensor, e.g. 1M,2M,4M (default all)"
+    )
     args = parser.parse_args()
     from aclnn_client import Client
     from aclnn_common._proto import aclnn_pb2 as pb
@@ -291,7 +302,7 @@ def main() -> int:
     rows_out: list[tuple[str, str, float, float | tuple[float, float]]] = []
     try:
         if args.sweep:
-            results = sweep(address, args.backend, torch_rpc, args.turns)
+            results = sweep(address, args.backend, torch_rpc, args.turns, args.sizes)
             title = (
                 f"LayerNorm backward, [rows, {SWEEP_WIDTH}] fp32, aclnn-serve backend {args.backend}, "
                 f"{os.cpu_count()} cores, one run (load average {os.getloadavg()[0]:.1f})"

@@ -48,9 +48,13 @@ connection's mailbox instead: kind = CALL | IN_MAILBOX, the payload at the mailb
 nothing after the header. Over a stream socket such a payload arrives in pieces of ~36.5 KiB,
 each of which wakes a thread of the server; through the mailbox only the header moves, in one
 piece. The server copies the payload out of the mailbox into memory of its own before parsing
-it (the client can change the mailbox at any time): from a read-only mapping of its first 64 KiB,
-or with pread beyond. It never writes the mailbox; replies come over the socket. A mailbox lives
-and dies with its connection.
+it (the client can change the mailbox at any time), from a read-only mapping of the whole mailbox
+(held in the server's memory ledger while mapped; where the caller's share has no room for it,
+of its first 64 KiB, and with pread beyond). The attached part of a CALL | ATTACHED | IN_MAILBOX is
+not copied where the mailbox is mapped: the server computes on it where the client wrote it, so
+that a client that rewrites it before its call ran changes that call's results, and nothing else.
+The server never writes the mailbox; replies come over the socket. A mailbox lives and dies with
+its connection.
 """
 
 from __future__ import annotations

@@ -23,8 +23,8 @@ from .errors import CapacityError
 # of calls that wait too, uploads, kept results, executor data) end only with their call, or
 # when their owner frees them or goes away.
 RUNNING = "call"
-# Tensors kept between calls.
-STORED = frozenset({"upload", "result", "executor", "region", "buffer"})
+# Tensors kept between calls, and the mailboxes mapped for a connection's calls.
+STORED = frozenset({"upload", "result", "executor", "region", "buffer", "mailbox"})
 # Small allocations are not held, so that a small call never takes the ledger's lock, which every
 # other call contends for. A received message or a call's outputs up to SMALL_HOLD_BYTES: at most
 # one per call in flight or connection. A workspace up to SMALL_WORKSPACE_BYTES: only running calls

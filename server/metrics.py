@@ -66,11 +66,12 @@ class Metrics:
         Gauge("aclnn_memory_held_bytes", "Bytes held for callers now", registry=self.registry).set_function(held)
         by_kind = Gauge(
             "aclnn_memory_held_by_kind_bytes",
-            "Bytes held for callers now, by kind (message, request, call, upload, result, executor, region, buffer)",
+            "Bytes held for callers now, by kind (message, request, call, upload, result, executor, region, buffer, "
+            "mailbox)",
             ["kind"],
             registry=self.registry,
         )
-        for kind in ("message", "request", "call", "upload", "result", "executor", "region", "buffer"):
+        for kind in ("message", "request", "call", "upload", "result", "executor", "region", "buffer", "mailbox"):
             by_kind.labels(kind).set_function(lambda kind=kind: held_by_kind().get(kind, 0))
 
     def track_buffers(self, live_buffers: Callable[[], int]) -> None:

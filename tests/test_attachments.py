@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import concurrent.futures
+import os
 import time
 
 import grpc
@@ -9,13 +11,16 @@ import numpy as np
 import pytest
 from layer_norm_cases import layer_norm_call
 from test_data_channel import OP, OUTPUTS, check, connect, error_of, reply, request, ticket
+from test_mailbox import pass_mailbox
+from test_processes import broadcast_call
+from test_shared_memory import memfd, unix_connect
 from test_transport import wait_for
 
 from aclnn_client import AclnnError, Client
 from aclnn_client.data_channel import Attachments
 from aclnn_common._proto import aclnn_pb2 as pb
 from aclnn_common.binding import bind
-from aclnn_common.framing import ATTACHED, CALL, MESSAGE_LENGTH, aligned
+from aclnn_common.framing import ATTACHED, CALL, IN_MAILBOX, MESSAGE_LENGTH, aligned
 from aclnn_common.wire import encode_call
 
 MIB = 1 << 20
@@ -215,3 +220,43 @@ def test_attached_bytes_are_held_while_a_view_lives_not_by_an_idle_connection(se
         )
     check(p)
     assert ledger.held_by_kind() == {}
+
+
+def test_attached_tensors_are_read_where_the_client_wrote_them_its_message_is_copied(serve, rng):
+    """A call whose payload is in a mapped mailbox: its message (descriptors, ranges) is copied when
+    the request arrives, so that rewriting it later changes nothing; its attached tensors are not
+    copied, so that rewriting them before the call runs changes what it computes: the client's own
+    results, from the bytes it wrote (the oracle on the rewritten inputs)."""
+    served = serve(max_concurrency=1)
+    p = layer_norm_call(rng, (64, 1024))
+    call, raw = attached_inputs(p)
+    for name in OUTPUTS:
+        call.placements[name].attached = True
+    payload = attached_call("Run", call.SerializeToString(), raw)
+    message_end = len(payload) - len(raw)
+    fd = memfd(MIB)
+    with Client(served.address) as other, unix_connect(ticket(served.address, "s")) as sock:
+        assert pass_mailbox(sock, fd, MIB) == (True, b"")
+        other.list_operators()
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            running = pool.submit(other.run, OP, **broadcast_call(0, rows=65536))
+            wait_for(lambda: served.engine.admission.running == 1)
+            os.pwrite(fd, payload, 0)
+            sock.sendall(request(CALL | ATTACHED | IN_MAILBOX, len(payload)))
+            wait_for(lambda: served.engine.admission.waiting == 1)  # received, queued behind the long call
+            os.pwrite(fd, b"\xff" * message_end, 0)  # the message: read already
+            p["gradOut"] *= -2  # the attached gradOut, rewritten in the mailbox before the call runs
+            offset = call.params["gradOut"].tensor.ref.attached.offset
+            os.pwrite(fd, p["gradOut"].tobytes(), message_end + offset)
+            running.result(timeout=60)
+        ok, answer = reply(sock)
+        assert ok, error_of(answer).message
+    os.close(fd)
+    message, results = attached_reply(answer)
+    outputs = pb.RunResponse.FromString(message).outputs
+    for name in OUTPUTS:
+        where = outputs[name].attached
+        p[name][...] = np.frombuffer(results[where.offset : where.offset + where.size], np.float32).reshape(
+            p[name].shape
+        )
+    check(p)

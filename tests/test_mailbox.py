@@ -33,7 +33,7 @@ from aclnn_common.framing import CALL, IN_MAILBOX, MAILBOX, MAILBOX_MAX_BYTES
 from aclnn_common.wire import decode_output
 
 MIB = 1 << 20
-MAPPED = 64 << 10  # the head of a mailbox the server maps (read-only); the rest it reads with pread
+MAPPED = 64 << 10  # the head of a mailbox the server maps (read-only) when the ledger cannot hold all of it
 
 
 def mailbox_maps(pid: int, name: str = "aclnn-mailbox") -> list[int]:
@@ -99,7 +99,7 @@ def test_large_calls_travel_in_a_mailbox_that_grows_and_goes_with_its_connection
             c.run(OP, **p)
             check(p)
             assert mailbox_fds(proc.pid) == [size] and mailbox_maps(os.getpid()) == [size]
-        assert mailbox_maps(proc.pid) == [MAPPED]  # the server maps a mailbox's head only (read-only)
+        assert mailbox_maps(proc.pid) == [2 * MIB]  # the server maps the whole mailbox (read-only), the last only
         p = layer_norm_call(rng, (2100, 1024))  # 17 MB: above the largest mailbox, through the socket
         c.run(OP, **p)
         check(p)
@@ -114,17 +114,31 @@ def test_large_calls_travel_in_a_mailbox_that_grows_and_goes_with_its_connection
     assert mailbox_maps(os.getpid()) == [] and mailbox_maps(proc.pid) == []
 
 
-def test_a_mailbox_takes_nothing_from_the_memory_budget(serve, rng):
-    """Only the call's own copy of its request is held (while it runs), as when it came over the socket."""
-    served = serve()
+def test_a_mapped_mailbox_is_held_in_the_ledger_while_mapped(serve, rng):
+    """The whole mailbox is mapped and held as its identity's (a hole read through the mapping would
+    fill a page charged to the server) for as long as the mapping lives; a call's request is not held
+    beyond it; a mailbox the identity's share cannot hold is mapped at its head only (the rest: pread)."""
+    served = serve(memory_budget_bytes=16 * MIB)  # a tenant's share: 8 MiB, of which stored bytes 6 MiB
+    ledger = served.engine.ledger
     with Client(served.address) as c:
         for rows in (4, 200, 200):
             p = layer_norm_call(rng, (rows, 1024))
             c.run(OP, **p)
             check(p)
-            wait_for(lambda: served.engine.ledger.held == 0)  # given back once the reply is sent
-        # The client's whole mailbox, and the head the server (this process too) maps.
-        assert sorted(mailbox_maps(os.getpid())) == [MAPPED, 2 * MIB]
+        # The client's whole mailbox, and the one the server (this process too) maps, both 2 MiB.
+        assert sorted(mailbox_maps(os.getpid())) == [2 * MIB, 2 * MIB]
+        wait_for(lambda: ledger.held_by_kind() == {"mailbox": 2 * MIB})  # the request's part: given back
+    wait_for(lambda: ledger.held == 0 and mailbox_maps(os.getpid()) == [])
+    p = layer_norm_call(rng, (64, 1024))
+    payload = run_payload(p)
+    with unix_connect(ticket(served.address, "s")) as sock:
+        fd = memfd(MAILBOX_MAX_BYTES)
+        assert pass_mailbox(sock, fd, MAILBOX_MAX_BYTES) == (True, b"")
+        assert mailbox_maps(os.getpid(), "test-region") == [MAPPED] and ledger.held == 0
+        os.pwrite(fd, payload, 0)
+        sock.sendall(request(CALL | IN_MAILBOX, len(payload)))
+        check_reply(sock, p)
+        os.close(fd)
 
 
 def test_hostile_mailboxes_are_refused_and_the_server_survives(server_process, rng, tmp_path):
@@ -164,11 +178,13 @@ def test_hostile_mailboxes_are_refused_and_the_server_survives(server_process, r
     with unix_connect(offer) as sock:  # a mailbox never written: all holes, read through the mapping
         sparse = memfd(MAILBOX_MAX_BYTES)
         assert pass_mailbox(sock, sparse, MAILBOX_MAX_BYTES) == (True, b"")
-        sock.sendall(request(CALL | IN_MAILBOX, MAPPED))
+        sock.sendall(request(CALL | IN_MAILBOX, MAILBOX_MAX_BYTES))
         ok, answer = reply(sock)
         assert not ok and "not on the data channel" in error_of(answer).message  # zeros name no method
-        assert mailbox_maps(proc.pid, "test-region") == [MAPPED]  # at most its head: what a hole read can fill
+        # What a hole read can fill: the mapping, which the ledger holds (see the test above).
+        assert mailbox_maps(proc.pid, "test-region") == [MAILBOX_MAX_BYTES]
         os.close(sparse)
+    wait_for(lambda: mailbox_maps(proc.pid, "test-region") == [])  # gone with its connection
     fresh = layer_norm_call(rng, (64, 1024))
     with Client(address) as c:
         c.run(OP, **fresh)

@@ -70,6 +70,7 @@ class Connection:
         self.refusal: status_pb2.Status | None = None  # the answer once a refused payload is drained
         self.discard = 0  # bytes of a refused payload still to drain
         self.mailbox: Mailbox | None = None  # where large CALL payloads come in (Unix socket)
+        self.attachment: memoryview | None = None  # a call's attached part left in the mailbox (not copied)
         self.lowat = 1  # the socket's SO_RCVLOWAT: raised while a large payload arrives over TCP
 
     def next_request(self) -> None:
@@ -89,5 +90,5 @@ class Connection:
 
     def drop_request(self) -> None:
         """Lets go of the request's payload: its hold ends with the last view of it (Hold.follow)."""
-        self.hold = None
+        self.hold, self.attachment = None, None
         self.payload = self.buffer = self.own_buffer

@@ -5,44 +5,80 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
+import weakref
+
+import numpy as np
+
+from ...ledger import Hold
 
 _MAPPED_MAILBOX_BYTES = 64 << 10
+_NOTHING = np.empty(0, np.uint8)
 
 
 class Mailbox:
     """A connection's mailbox: the client's sealed memfd (checked_memfd), which the server only reads.
 
-    Its first _MAPPED_MAILBOX_BYTES are mapped read-only, so a small request (the common one) is one
-    copy: a pread reads a memfd page by page, 24-32 us for a 37 KB request here. Larger payloads are
-    read with pread, which never fills a hole. The seals keep the memfd from shrinking under the
-    mapping (no SIGBUS). Reading a hole through the mapping fills it with a page charged to the
-    server, so a connection's mapping can cost the server at most _MAPPED_MAILBOX_BYTES, what its own
-    buffer costs (BUFFER_BYTES), and no longer than the mailbox lives: closing it punches the head
-    out of the memfd (the mailbox goes with its connection; a memfd sealed against writes, which
-    could not be punched, is refused as a mailbox).
+    With a `hold` (the ledger's, for all of it) the whole mailbox is mapped read-only: a request is
+    copied out of the mapping (a pread reads a memfd page by page, ~4x slower), and a call's attached
+    tensors are not copied at all (`view`): the server computes on them where the client wrote them.
+    Without one (the identity's share is full) only its first _MAPPED_MAILBOX_BYTES are, so a small
+    request (the common one) is still one copy, and larger payloads are read with pread, which never
+    fills a hole. The seals keep the memfd from shrinking under the mapping (no SIGBUS).
+
+    Reading a hole through the mapping fills it with a page charged to the server: the whole
+    mapping is held in the ledger (the head alone, 64 KiB, counts as the connection's fixed cost,
+    like its buffer, BUFFER_BYTES) for as long as the mapping lives, which is until the mailbox is
+    closed and the last view of it (a call's input) is gone. Then the mapped range is punched out
+    of the memfd, the hold ended and the mapping closed (a memfd sealed against writes, which could
+    not be punched, is refused as a mailbox).
     """
 
-    def __init__(self, fd: int, size: int) -> None:
+    def __init__(self, fd: int, size: int, hold: Hold | None = None) -> None:
         self.fd, self.size = fd, size
+        mapped = size if hold is not None else min(size, _MAPPED_MAILBOX_BYTES)
         try:  # Python's mapping holds a duplicate of the descriptor: two per mailbox
-            self._map: mmap.mmap | None = mmap.mmap(fd, min(size, _MAPPED_MAILBOX_BYTES), prot=mmap.PROT_READ)
+            mapping: mmap.mmap | None = mmap.mmap(fd, mapped, prot=mmap.PROT_READ)
         except OSError:  # a memfd this cannot map (hugetlb pages): everything is read with pread
-            self._map = None
-        self._head = memoryview(self._map if self._map is not None else b"")
+            mapping = None
+        self._bytes = _NOTHING
+        self._mapped = mapping is not None
+        if mapping is None:
+            if hold is not None:
+                hold.release()
+        else:
+            # Every view handed out is a view of this array: the mapping (and its hold) last as long as it.
+            self._bytes = np.frombuffer(mapping, np.uint8)
+            weakref.finalize(self._bytes, _unmapped, mapping, fd, hold)
 
     def read_into(self, payload: memoryview) -> int:
         """Copies the mailbox's first payload.nbytes bytes into `payload`; the count read."""
-        if payload.nbytes <= self._head.nbytes:
-            payload[:] = self._head[: payload.nbytes]
+        if payload.nbytes <= self._bytes.nbytes:
+            np.frombuffer(payload, np.uint8)[:] = self._bytes[: payload.nbytes]
             return payload.nbytes
         return _read_mailbox(self.fd, payload)
 
+    def view(self, start: int, end: int) -> memoryview | None:
+        """Bytes [start, end) of the mailbox where the client wrote them (read-only, not copied), or None
+        when they are not mapped. The client may change them at any time: only what it sends for its
+        own calls' computation is read this way, never anything the server parses or checks."""
+        if end > self._bytes.nbytes:
+            return None
+        return memoryview(self._bytes[start:end])
+
     def close(self) -> None:
-        self._head.release()
-        if self._map is not None:
-            self._map.close()
-        _libc.fallocate(self.fd, _PUNCH_HOLE, 0, min(self.size, _MAPPED_MAILBOX_BYTES))
-        os.close(self.fd)
+        """The connection is done with it: the mapping goes with its last view (at once, between calls)."""
+        self._bytes = _NOTHING
+        if not self._mapped:
+            os.close(self.fd)
+
+
+def _unmapped(mapping: mmap.mmap, fd: int, hold: Hold | None) -> None:
+    """The last view of a mailbox's mapping is gone: the mapped range is punched out of the memfd, the
+    descriptor closed, the hold ended; the mapping closes with the last reference to it (this call's)."""
+    _libc.fallocate(fd, _PUNCH_HOLE, 0, len(mapping))
+    os.close(fd)
+    if hold is not None:
+        hold.release()
 
 
 def _read_mailbox(fd: int, payload: memoryview) -> int:

@@ -35,6 +35,7 @@ from aclnn_common.framing import (
 )
 
 from ...engine import CallContext
+from ...ledger import Hold
 from ...regions import RegionOffer, checked_memfd
 from ..progress import progress_deadline
 from ..service import AclnnService, failure_status, new_request_id, release
@@ -144,23 +145,26 @@ class Requests:
             if length > self.max_message_bytes:
                 self.fail(conn, status(code_pb2.RESOURCE_EXHAUSTED, f"request of {length} bytes is over the limit"))
                 raise ProtocolError("request over the message limit")
-            if REQUEST.size + length <= len(conn.buffer):
-                conn.need = REQUEST.size + length
+            copied = length  # what is received into the server's own memory
+            if in_mailbox and kind & ATTACHED:
+                copied, conn.attachment = _left_in_mailbox(conn.mailbox, length)
+            if REQUEST.size + copied <= len(conn.buffer):
+                conn.need = REQUEST.size + copied
                 conn.payload = conn.buffer[REQUEST.size : conn.need]
             else:
                 try:
-                    conn.hold = self.service.ledger.reserve(conn.owner, length, "request", "request")
+                    conn.hold = self.service.ledger.reserve(conn.owner, copied, "request", "request")
                 except AclnnError as exc:
                     conn.refusal, conn.discard = failure_status(exc)[0], 0 if in_mailbox else length - early
                 else:
-                    payload = np.empty(length, np.uint8)
+                    payload = np.empty(copied, np.uint8)
                     conn.hold.follow(payload)  # held while any view of it lives (attached inputs are views)
                     conn.payload = memoryview(payload)
                     conn.payload[:early] = conn.buffer[REQUEST.size : conn.got]
-                    conn.buffer, conn.got, conn.need = conn.payload, early, length
+                    conn.buffer, conn.got, conn.need = conn.payload, early, copied
             if in_mailbox and conn.refusal is None:
                 # Copied out before anything parses it: the client may change its mailbox at any time.
-                if conn.mailbox.read_into(conn.payload) != length:
+                if conn.mailbox.read_into(conn.payload) != copied:
                     raise ProtocolError("the mailbox holds less than the request")
                 conn.got = conn.need
         if not (drain(conn) if conn.refusal is not None else fill(conn, self.limits.handshake_timeout_s)):
@@ -225,6 +229,8 @@ class Requests:
             message = payload[1 + payload[0] :]
             if kind & ATTACHED:
                 message, call.attachment = _attached(payload, 1 + payload[0])
+                if conn.attachment is not None:  # the attached part, where the client wrote it
+                    call.attachment = conn.attachment
             request = METHODS[method][0].FromString(message)
         except DecodeError:
             return self.fail(conn, status(code_pb2.INVALID_ARGUMENT, f"{method} request does not parse"))
@@ -285,7 +291,7 @@ class Requests:
         offer = RegionOffer(fds[0] if fds else None, size, passed)
         try:
             if kind == MAILBOX:
-                mailbox = Mailbox(checked_memfd(offer, punchable=True), size)
+                mailbox = Mailbox(checked_memfd(offer, punchable=True), size, self._mailbox_hold(conn, size))
                 fds.pop(0)  # the connection keeps it
                 if conn.mailbox is not None:
                     conn.mailbox.close()
@@ -302,6 +308,13 @@ class Requests:
             # the connection is back with the loop, in the identity's queue (a close may linger).
             if fds:
                 self.broker.close_later(conn.identity, fds)
+
+    def _mailbox_hold(self, conn: Connection, size: int) -> Hold | None:
+        """The ledger's hold for mapping all of a mailbox, if the identity's share has room for it now."""
+        try:
+            return self.service.ledger.try_reserve(conn.owner, size, "mailbox", "mailbox")
+        except AclnnError:  # more than the identity may ever hold: only the mailbox's head is mapped
+            return None
 
     @staticmethod
     def _call(conn: Connection, has_stream: int, stream: int, timeout_ms: int) -> CallContext:
@@ -320,6 +333,19 @@ class Requests:
 
     def send(self, conn: Connection, header: bytes, payload: bytes | memoryview = b"") -> None:
         send(conn, [header, payload], self.limits.handshake_timeout_s)
+
+
+def _left_in_mailbox(mailbox: Mailbox, length: int) -> tuple[int, memoryview | None]:
+    """How much of a CALL | ATTACHED payload in a mailbox to copy, and its attached part where the
+    client wrote it (None: the mailbox is not mapped that far; all of it is copied). The message's
+    length is read once here and checked; the message itself is parsed from the copy."""
+    head = mailbox.view(0, min(length, 256 + MESSAGE_LENGTH.size))  # a method name has at most 255 bytes
+    if head is None or head.nbytes < 1 + head[0] + MESSAGE_LENGTH.size:
+        return length, None
+    start = 1 + head[0] + MESSAGE_LENGTH.size
+    end = start + MESSAGE_LENGTH.unpack_from(head, start - MESSAGE_LENGTH.size)[0]
+    attached = mailbox.view(min(aligned(end), length), length) if end <= length else None
+    return (length, None) if attached is None else (end, attached)
 
 
 def _attached(payload: memoryview, start: int) -> tuple[memoryview, memoryview]:
