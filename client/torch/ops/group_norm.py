@@ -152,4 +152,6 @@ def group_norm_with_id(
     if size[0] * math.prod(size[2:]) == 1:
         raise ValueError(f"Expected more than 1 value per channel when training, got input size {size}")
     # aten's group_norm makes the input contiguous before native_group_norm, which needs it
-    return (_group_norm_op if compiling() else _group_norm_eager)(input.contiguous(), num_groups, weight, bias, eps, cid)[0]
+    return (_group_norm_op if compiling() else _group_norm_eager)(
+        input.contiguous(), num_groups, weight, bias, eps, cid
+    )[0]
