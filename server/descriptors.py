@@ -49,6 +49,16 @@ class TensorDesc:
     def numel(self) -> int:
         return math.prod(self.shape)
 
+    @functools.cached_property
+    def byte_offset(self) -> int:
+        return self.offset * self.dtype.itemsize
+
+    @functools.cached_property
+    def byte_strides(self) -> tuple[int, ...]:
+        """The view's strides in bytes; size-1 dims address nothing, so their (unbounded) strides are dropped."""
+        itemsize = self.dtype.itemsize
+        return tuple(s * itemsize if d > 1 else 0 for d, s in zip(self.shape, self.strides))
+
     @property
     def storage_nbytes(self) -> int:
         return self.storage_size * self.dtype.itemsize
@@ -71,12 +81,9 @@ class TensorDesc:
                 f"storage of {self.storage_size} {self.data_type.name} elements needs "
                 f"{self.storage_nbytes} bytes, received {buffer.nbytes}",
             )
-        itemsize = self.dtype.itemsize
         if self.numel == 0:
             return np.ndarray(self.shape, self.dtype, buffer=buffer[:0], strides=(0,) * self.rank)
-        # Size-1 dims address nothing, so their (unbounded) strides are dropped.
-        strides = tuple(s * itemsize if d > 1 else 0 for d, s in zip(self.shape, self.strides))
-        view = np.ndarray(self.shape, self.dtype, buffer=buffer, offset=self.offset * itemsize, strides=strides)
+        view = np.ndarray(self.shape, self.dtype, buffer, self.byte_offset, self.byte_strides)
         view.flags.writeable = writeable
         return view
 

@@ -106,6 +106,19 @@ class CallContext:
     compute_s: float = 0.0
 
 
+@dataclass(frozen=True)
+class PreparedRun:
+    """A validated call layout and what follows from it alone (Engine.prepare)."""
+
+    operator: Operator
+    plan: Plan
+    workspace_size: int
+    parts: Mapping[str, int]  # what a call holds while it runs (see Engine._call_parts)
+    args: Mapping[str, Any]  # the operator's arguments but its tensors: arrays and scalars as validated
+    backend: Any  # the backend it was prepared on
+    compute: Callable[[dict[str, Any]], None]  # the backend's compute of the plan, prepared
+
+
 class Engine:
     """Runs aclnn calls on one backend, keeping their executors and admitting their executions."""
 
@@ -164,6 +177,7 @@ class Engine:
         self.admission = Admission(max_concurrency, max_queue, self.ledger, max_tenant_queue)
         self.reservations = Reservations()
         self._plans = PlanCache()
+        self._prepared = Recent()  # prepared runs (PreparedRun) by plan key and placements
         self.buffers = BufferStore(self.ledger, self._device_memory)
         self.streams = StreamQueues()
 
@@ -326,6 +340,10 @@ class Engine:
         destinations: Mapping[str, np.ndarray] | None = None,
     ) -> tuple[int, dict[str, np.ndarray]]:
         call = call or CallContext()
+        prepared = self._prepared_run(op, values, call)
+        if prepared is not None and not self._ordered(call) and not self._resident(prepared.plan, values):
+            storage = {name: values[name].data for name in prepared.plan.inputs}
+            return prepared.workspace_size, self._run_prepared(prepared, storage, destinations, call, checked=True)
         operator, plan, workspace_size = self._plan(op, values, call)
         resident = self._resident(plan, values)
         args = self._bind_inputs(operator, plan, {name: values[name].data for name in plan.inputs}, {})
@@ -334,26 +352,86 @@ class Engine:
                 return workspace_size, self._compute(operator, plan, args, call, destinations)
         return workspace_size, self._dispatch(operator, plan, workspace_size, args, resident, call, destinations)
 
-    def run_planned(
-        self,
-        key: Hashable,
-        storage: Mapping[str, Any],
-        call: CallContext,
-        destinations: Mapping[str, np.ndarray] | None = None,
-    ) -> dict[str, np.ndarray] | None:
-        """`run` of a call validated before, its plan cached under `key` (plan_key of its values), on
-        its inputs' `storage`; None when the plan is no longer cached (then run the call in full).
-        Skips only the error table's verdict, which is a function of the key (see PlanCache)."""
-        started = time.perf_counter()
+    def prepare(self, key: Hashable, call: CallContext | None = None) -> PreparedRun | None:
+        """What `run` derives from a call's layout alone, for a call validated before under `key`
+        (plan_key of its values) with `call`'s placements: its plan, workspace, the memory it holds
+        and its kernel. None when the plan is no longer cached or the layout would fail a check
+        (then run the call in full, where each check raises in its turn), for empty tensors, and on
+        a backend without `prepare` (the torch and NPU backends: their compute takes the client's
+        stream, and the NPU's executors live as long as their plan objects; every call runs in full)."""
         validated = self._plans.get(key)
-        if validated is None:
+        backend = self.backend
+        prepare = getattr(backend, "prepare", None)
+        if validated is None or prepare is None or any(d.numel == 0 for d in validated[1].inputs.values()):
             return None
         operator, plan = validated
-        call.op = operator.name
-        workspace_size = self._sized(operator, plan, call, started)
-        args = self._bind_inputs(operator, plan, storage, {})
-        with self._admitted(plan, workspace_size, call):
-            return self._compute(operator, plan, args, call, destinations)
+        workspace_size = backend.workspace_size(operator, plan)
+        try:
+            self._check_budget(plan, workspace_size)
+            parts = self._call_parts(plan, workspace_size, call or CallContext())
+        except AclnnError:
+            return None
+        args = self._values(operator, plan)
+        return PreparedRun(operator, plan, workspace_size, parts, args, backend, prepare(operator, plan))
+
+    def _prepared_run(self, op: str, values: Mapping[str, Value], call: CallContext) -> PreparedRun | None:
+        """The call's prepared run (cached by its plan key and placements); on a miss the call is
+        validated in full first, so that every error comes as `_plan` raises it. None: a call
+        the cache cannot key, or a backend that prepares nothing."""
+        if getattr(self.backend, "prepare", None) is None:
+            return None
+        started = time.perf_counter()
+        call.op = op
+        key = plan_key(op, values)
+        if key is None:
+            return None
+        cache_key = (key, call.placed, call.kept)
+        prepared = self._prepared.get(cache_key)
+        if prepared is not None and prepared.backend is self.backend:
+            call.validation_s += time.perf_counter() - started
+            return prepared
+        self._plan(op, values, call)  # which counts its own time
+        prepared = self.prepare(key, call)
+        if prepared is not None:
+            self._prepared.put(cache_key, prepared)
+        return prepared
+
+    def run_prepared(
+        self,
+        prepared: PreparedRun,
+        storage: Mapping[str, np.ndarray],
+        destinations: Mapping[str, np.ndarray],
+        call: CallContext,
+    ) -> dict[str, np.ndarray] | None:
+        """`run` of a prepared call on its inputs' `storage`, C-contiguous arrays of the layout it was
+        prepared for (in process: see LocalClient), into `destinations`; None when the backend changed
+        since (then run it in full)."""
+        if prepared.backend is not self.backend:
+            return None
+        return self._run_prepared(prepared, storage, destinations, call, checked=False)
+
+    def _run_prepared(
+        self,
+        prepared: PreparedRun,
+        storage: Mapping[str, Any],
+        destinations: Mapping[str, np.ndarray] | None,
+        call: CallContext,
+        checked: bool,
+    ) -> dict[str, np.ndarray]:
+        """Binds and computes a prepared call: what is a function of its layout (the error table's
+        verdict, the budget checks, the workspace size, the kernel choice) is not done again.
+        `checked`: each input's storage is checked to fit (bytes a client sent); else it is known to."""
+        call.op = prepared.operator.name
+        args = dict(prepared.args)
+        for name, desc in prepared.plan.inputs.items():
+            if checked:
+                args[name] = _input_view(name, desc, storage[name])
+            else:  # desc.view's view, without its checks
+                view = np.ndarray(desc.shape, desc.dtype, storage[name], desc.byte_offset, desc.byte_strides)
+                view.flags.writeable = False
+                args[name] = view
+        with self._admitted(prepared.plan, prepared.workspace_size, call, parts=prepared.parts):
+            return self._compute(prepared.operator, prepared.plan, args, call, destinations, prepared.compute)
 
     def set_executor_repeatable(self, executor_id: str, call: CallContext | None = None) -> None:
         self.executors.set_repeatable(executor_id, (call or CallContext()).owner)
@@ -538,7 +616,12 @@ class Engine:
 
     @contextlib.contextmanager
     def _admitted(
-        self, plan: Plan, workspace_size: int, call: CallContext, resident: frozenset[str] = frozenset()
+        self,
+        plan: Plan,
+        workspace_size: int,
+        call: CallContext,
+        resident: frozenset[str] = frozenset(),
+        parts: Mapping[str, int] | None = None,
     ) -> Iterator[None]:
         """An execution slot with memory for the call's outputs and workspace (see Admission), taken
         now or from the call's reservation (`call.reserved`).
@@ -547,7 +630,7 @@ class Engine:
         the `resident` outputs, computed in their device buffers. The outputs stay held after
         compute, in `call.holds`, when the transport sends them later.
         """
-        parts = self._call_parts(plan, workspace_size, call, resident)
+        parts = parts or self._call_parts(plan, workspace_size, call, resident)
         reserved, call.reserved = call.reserved, None
         if reserved is not None and all(reserved[kind].nbytes >= n for kind, n in parts.items()):
             for kind, n in parts.items():
@@ -634,14 +717,10 @@ class Engine:
             if key is not None:
                 self._plans.put(key, validated)
         operator, plan = validated
-        return operator, plan, self._sized(operator, plan, call, started)
-
-    def _sized(self, operator: Operator, plan: Plan, call: CallContext, started: float) -> int:
-        """The backend's workspace for a validated plan, once the call is known to fit the budget."""
         workspace_size = self.backend.workspace_size(operator, plan)
         self._check_budget(plan, workspace_size)
         call.validation_s += time.perf_counter() - started
-        return workspace_size
+        return operator, plan, workspace_size
 
     @staticmethod
     def _validate(op: str, values: Mapping[str, Value]) -> tuple[Operator, Plan]:
@@ -684,17 +763,18 @@ class Engine:
             raise invalid_error(unknown[0], f"is not an input tensor of this {operator.name} call")
         args: dict[str, Any] = {}
         for name, desc in plan.inputs.items():
-            data = sent.get(name, planned.get(name))
-            if data is None:
-                raise invalid_error(name, "input bytes were never sent (ship them with the plan or with execute)")
-            args[name] = data if isinstance(data, ResidentStorage) else desc.view(data)  # bound when it runs
-        for spec in operator.signature.params:
-            if spec.kind is not Kind.TENSOR:
-                args[spec.name] = plan.values.get(spec.name)
-        # Facts validation derived that are no parameter (BatchNorm's channel axis, read from a format tag).
+            args[name] = _input_view(name, desc, sent.get(name, planned.get(name)))
+        return {**Engine._values(operator, plan), **args}
+
+    @staticmethod
+    def _values(operator: Operator, plan: Plan) -> dict[str, Any]:
+        """The operator's arguments but its tensors: arrays and scalars as validated, and facts validation
+        derived that are no parameter (BatchNorm's channel axis, read from a format tag)."""
+        params = operator.signature.params
+        values = {spec.name: plan.values.get(spec.name) for spec in params if spec.kind is not Kind.TENSOR}
         for name, value in plan.values.items():
-            args.setdefault(name, value)
-        return args
+            values.setdefault(name, value)
+        return values
 
     def _compute(
         self,
@@ -703,11 +783,12 @@ class Engine:
         args: dict[str, Any],
         call: CallContext,
         destinations: Mapping[str, np.ndarray] | None = None,
+        prepared: Callable[[dict[str, Any]], None] | None = None,
     ) -> dict[str, np.ndarray]:
         """Computes into fresh arrays, so that a call that fails has written nothing; or into
         `destinations` (in process, or device buffers) where one has exactly its output's shape and
         dtype. Every failure a caller can cause comes before this point; only a backend's own fault
-        could stop it midway.
+        could stop it midway. `prepared`: the backend's compute of this plan, prepared (its kernel chosen).
         """
         given = destinations or {}
         outputs = {
@@ -724,7 +805,9 @@ class Engine:
                 args.setdefault(spec.name, outputs.get(spec.name))
         started = time.perf_counter()
         try:
-            if getattr(self.backend, "accepts_stream", False):  # the NPU maps client streams to ACL streams
+            if prepared is not None:
+                prepared(args)
+            elif getattr(self.backend, "accepts_stream", False):  # the NPU maps client streams to ACL streams
                 self.backend.compute(operator, plan, args, stream=_stream_key(call))
             else:
                 self.backend.compute(operator, plan, args)
@@ -736,6 +819,14 @@ class Engine:
         finally:
             call.compute_s += time.perf_counter() - started
         return outputs
+
+
+def _input_view(name: str, desc: TensorDesc, data: Any) -> Any:
+    """An input's view over the bytes sent for it, checked to hold its storage; device storage as it is
+    (bound when the call runs)."""
+    if data is None:
+        raise invalid_error(name, "input bytes were never sent (ship them with the plan or with execute)")
+    return data if isinstance(data, ResidentStorage) else desc.view(data)
 
 
 def _stream_key(call: CallContext) -> StreamKey | None:
@@ -797,33 +888,43 @@ def plan_key(op: str, values: Mapping[str, Value]) -> Hashable | None:
         return None
 
 
-class PlanCache:
+class Recent:
+    """The `capacity` most recently used values, by key (a lock around each use)."""
+
+    def __init__(self, capacity: int = 1024) -> None:
+        self.capacity = capacity
+        self._values: collections.OrderedDict[Hashable, Any] = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key: Hashable) -> Any:
+        with self._lock:
+            value = self._values.get(key)
+            if value is not None:
+                self._values.move_to_end(key)
+        return value
+
+    def put(self, key: Hashable, value: Any) -> None:
+        with self._lock:
+            self._values[key] = value
+            if len(self._values) > self.capacity:
+                self._values.popitem(last=False)
+
+
+class PlanCache(Recent):
     """Validated plans of recent calls, keyed by descriptors and scalars: validation is a pure function of them.
 
     Repeated calls of one shape (the common case: a training step) skip the error
     table; only successful plans are kept, so every bad call is still checked in full.
     """
 
-    def __init__(self, capacity: int = 1024) -> None:
-        self.capacity = capacity
-        self._plans: collections.OrderedDict[Hashable, tuple[Operator, Plan]] = collections.OrderedDict()
-        self._lock = threading.Lock()
-
     def get(self, key: Hashable) -> tuple[Operator, Plan] | None:
         """A copy of the cached plan: a backend may key state on the plan object (the NPU's executors),
         which must live as long as the call's executor, not as long as the cache."""
-        with self._lock:
-            validated = self._plans.get(key)
-            if validated is None:
-                return None
-            self._plans.move_to_end(key)
-        return validated[0], dataclasses.replace(validated[1])
+        validated = super().get(key)
+        return None if validated is None else (validated[0], dataclasses.replace(validated[1]))
 
     def put(self, key: Hashable, validated: tuple[Operator, Plan]) -> None:
-        with self._lock:
-            self._plans[key] = validated[0], dataclasses.replace(validated[1])
-            if len(self._plans) > self.capacity:
-                self._plans.popitem(last=False)
+        super().put(key, (validated[0], dataclasses.replace(validated[1])))
 
 
 def _resident_of(plan: Plan, planned: Mapping[str, Any], sent: Mapping[str, Any]) -> dict[str, ResidentStorage]:

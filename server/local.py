@@ -17,7 +17,7 @@ from aclnn_common.tensor import Tensor, Value
 from aclnn_common.types import torch_array
 
 from .buffers import ResidentStorage
-from .engine import CallContext, Engine, plan_key
+from .engine import CallContext, Engine, PreparedRun, plan_key
 
 # Layouts of repeated calls remembered per client (a training loop brings a few).
 _PREPARED_CALLS = 256
@@ -58,11 +58,11 @@ class LocalClient(BaseClient):
         self._check_open()
         layout = _layout(op, params)
         prepared = self._prepared.get(layout[0]) if layout is not None else None
-        if prepared is not None and prepared.run(self, layout[1]):
+        if prepared is not None and prepared(self, layout[1]):
             return None
         call = bind(op, params, self._output_names(op), self._inout_names(op))
         if self._run_call(call, None) and layout is not None:
-            self._remember(layout[0], _Prepared.of(call))
+            self._remember(layout[0], _Prepared.of(self.engine, call))
         return None
 
     def _output_names(self, op: str) -> frozenset[str]:
@@ -152,36 +152,31 @@ class LocalClient(BaseClient):
 
 @dataclass(frozen=True)
 class _Prepared:
-    """A call layout that validated and computed straight into its outputs: its plan's cache key, and
-    which of its arrays are inputs and outputs."""
+    """A call layout that validated and computed straight into its outputs: what the engine derived
+    from it (Engine.prepare), and which of its arrays are inputs and outputs."""
 
-    plan_key: Hashable
+    run: PreparedRun
     inputs: tuple[str, ...]  # whose storage the operator reads
     inout: frozenset[str]
     outputs: tuple[str, ...]
 
     @staticmethod
-    def of(call: BoundCall) -> _Prepared | None:
+    def of(engine: Engine, call: BoundCall) -> _Prepared | None:
         key = plan_key(call.op, call.values)
         if key is None or not all(isinstance(t, np.ndarray) for t in call.output_targets.values()):
             return None
-        return _Prepared(key, tuple(call.inputs()), call.inout, tuple(call.output_targets))
+        prepared = engine.prepare(key)
+        if prepared is None:
+            return None
+        return _Prepared(prepared, tuple(call.inputs()), call.inout, tuple(call.output_targets))
 
-    def run(self, client: LocalClient, arrays: Mapping[str, np.ndarray]) -> bool:
-        """Runs the call on these arrays (the layout's); False when it must run in full instead: its
-        outputs overlap its inputs this time, or its plan left the engine's cache."""
-        storage = {name: _storage(arrays[name]) for name in self.inputs}
+    def __call__(self, client: LocalClient, arrays: Mapping[str, np.ndarray]) -> bool:
+        """Runs the call on these arrays (the layout's: C-contiguous, each its own storage); False when
+        it must run in full instead: its outputs overlap its inputs this time, or the backend changed."""
         destinations = {name: arrays[name] for name in self.outputs}
-        if not disjoint(destinations, [storage[n] for n in self.inputs if n not in self.inout]):
+        if not disjoint(destinations, [arrays[n] for n in self.inputs if n not in self.inout]):
             return False
-        return client.engine.run_planned(self.plan_key, storage, client._call(), destinations) is not None
-
-
-def _storage(array: np.ndarray) -> np.ndarray:
-    """A C-contiguous array's storage as binding describes it: its elements, flat and read-only."""
-    flat = array.reshape(-1)
-    flat.flags.writeable = False
-    return flat
+        return client.engine.run_prepared(self.run, arrays, destinations, client._call()) is not None
 
 
 def _layout(op: str, params: Mapping[str, Any]) -> tuple[Hashable, dict[str, np.ndarray]] | None:

@@ -3,6 +3,8 @@ binding and the error table, with the same results and errors as a full call."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -11,11 +13,14 @@ from oracle import assert_close
 
 import aclnn_server.local
 from aclnn_client import AclnnError
+from aclnn_common.binding import bind
 from aclnn_server import Engine, LocalClient
-from aclnn_server.engine import PlanCache
+from aclnn_server.backends import NumpyBackend
+from aclnn_server.engine import CallContext, PlanCache
 
 OP = "aclnnLayerNormBackward"
 OUTPUTS = ("gradInputOut", "gradWeightOut", "gradBiasOut")
+RMS_OUTPUTS = ("yOut", "rstdOut")
 
 
 @pytest.fixture
@@ -89,7 +94,9 @@ def test_a_layout_keeps_floats_by_their_bits(counted, rng):
         assert counted["validate"] == 2
 
 
-def test_a_layout_whose_plan_left_the_cache_runs_in_full(counted, rng):
+def test_a_prepared_layout_outlives_the_plan_cache_not_its_backend(counted, rng):
+    """A layout keeps what the engine prepared for it (plan, workspace, kernel), whatever the plan
+    cache evicts; once another backend is in place (auto's switch) it runs in full again."""
     with LocalClient("numpy") as c:
         c.engine._plans = PlanCache(capacity=1)
         c.run(OP, **layer_norm_call(rng, (4, 16)))
@@ -97,4 +104,101 @@ def test_a_layout_whose_plan_left_the_cache_runs_in_full(counted, rng):
         p = layer_norm_call(rng, (4, 16))
         c.run(OP, **p)
         check(p)
+        assert counted == {"bind": 2, "validate": 2}
+        c.engine._load_done(NumpyBackend())
+        p = layer_norm_call(rng, (4, 16))
+        c.run(OP, **p)
+        check(p)
         assert counted == {"bind": 3, "validate": 3}
+
+
+# --- the engine's prepared runs (a server's repeated `run`: its bytes come from a client) ----------
+
+
+def received(p: dict, op: str = OP, outputs: tuple[str, ...] = OUTPUTS) -> dict:
+    """A call's values as a server receives them: descriptors, the inputs' bytes, outputs without."""
+    return bind(op, p, frozenset(outputs)).values
+
+
+def refusal(engine: Engine, values: dict, call: CallContext | None = None) -> tuple[int, str, str]:
+    with pytest.raises(AclnnError) as refused:
+        engine.run(OP, values, call)
+    return refused.value.code, refused.value.param, str(refused.value)
+
+
+def test_a_repeated_server_call_checks_the_bytes_it_was_sent(counted, rng):
+    """The layout's checks are done once; the bytes of each call are checked every time, with the
+    errors a fresh engine gives."""
+    engine = Engine("numpy")
+    values = received(layer_norm_call(rng, (4, 16)))
+    engine.run(OP, values)
+    p = layer_norm_call(rng, (4, 16))
+    results = engine.run(OP, received(p))[1]
+    for name, ref in zip(OUTPUTS, layer_norm_reference(p)):
+        assert_close(results[name], ref.reshape(results[name].shape), name)
+    short = dataclasses.replace(values["gradOut"], data=values["gradOut"].data.tobytes()[:-4])
+    for bad, param in (
+        (dict(values, gradOut=short), "gradOut"),
+        (dict(values, mean=values["mean"].without_data()), "mean"),
+    ):
+        got = refusal(engine, bad)
+        assert got[:2] == (161002, param)
+        assert got == refusal(Engine("numpy"), bad)
+    assert counted["validate"] == 3  # the first call, and each fresh engine's
+
+
+def test_a_changed_layout_is_validated_again(counted, rng):
+    """Another shape, strides or scalar is another layout: validated in full, refused as a fresh
+    engine refuses it, naming the parameter."""
+    engine = Engine("numpy")
+    p = layer_norm_call(rng, (4, 16))
+    engine.run(OP, received(p))
+    rstd = dict(p, rstd=np.ones((4, 2), np.float32))
+    shape = dict(p, normalizedShape=[8])
+    for bad, param in ((rstd, "rstd"), (shape, "input")):
+        got = refusal(engine, received(bad))
+        assert got[:2] == (161002, param)
+        assert got == refusal(Engine("numpy"), received(bad))
+    transposed = dict(p, gradOut=np.asfortranarray(p["gradOut"]))  # the same values, other strides
+    results = engine.run(OP, received(transposed))[1]
+    for name, ref in zip(OUTPUTS, layer_norm_reference(p)):
+        assert_close(results[name], ref.reshape(results[name].shape), name)
+    assert counted["validate"] == 1 + 2 * 2 + 1
+
+
+def test_a_prepared_run_is_kept_per_placement(rng):
+    """What a call holds depends on which results it sends inline: a layout prepared with its results
+    placed elsewhere does not let the same layout send them inline past the message limit."""
+    engine = Engine("numpy", max_result_bytes=64)
+    values = received(layer_norm_call(rng, (4, 16)))
+    engine.run(OP, values, CallContext(placed=frozenset(OUTPUTS)))
+    got = refusal(engine, values)
+    assert got[:2] == (161002, "gradInputOut")
+    assert got == refusal(Engine("numpy", max_result_bytes=64), values)
+
+
+@pytest.mark.parametrize("backend", ["numpy", "cpu"])  # those that prepare (torch and npu run every call in full)
+def test_a_prepared_call_beyond_fp32s_range_is_computed_in_fp64(counted, rng, backend):
+    """x² overflows fp32 (x ~ 5e19): the repeated call (in process, and as a server runs it) still
+    takes the fp64 repeat, so y is about ±1, as a first call's."""
+    gamma = rng.uniform(0.5, 1.5, 9).astype(np.float32)
+
+    def rms_norm(scale: float) -> dict:
+        x = (rng.uniform(-1, 1, (4, 9)) * scale).astype(np.float32)
+        return dict(x=x, gamma=gamma, epsilon=0.0, yOut=np.empty_like(x), rstdOut=np.empty((4, 1), np.float32))
+
+    def expected(p: dict) -> torch.Tensor:
+        return torch.nn.functional.rms_norm(torch.from_numpy(p["x"]).double(), [9], torch.from_numpy(gamma).double())
+
+    with LocalClient(backend) as c:
+        c.run("aclnnRmsNorm", **rms_norm(1.0))
+        for _ in range(2):
+            p = rms_norm(5e19)
+            c.run("aclnnRmsNorm", **p)
+            assert_close(p["yOut"], expected(p), "yOut")
+        engine = c.engine
+        engine.run("aclnnRmsNorm", received(rms_norm(1.0), "aclnnRmsNorm", RMS_OUTPUTS))
+        p = rms_norm(5e19)
+        y = engine.run("aclnnRmsNorm", received(p, "aclnnRmsNorm", RMS_OUTPUTS))[1]["yOut"]
+        assert_close(y, expected(p), "yOut")
+    assert counted == {"bind": 1, "validate": 1}

@@ -44,7 +44,9 @@ _warned: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # layers that said they
 def _runs_in_pytorch(layer: nn.Module, input: Tensor) -> bool:
     """Whether a tensor of the layer has a dtype the service lacks (see local.py): then the layer runs
     PyTorch's own forward and backward, and says so once, by its name in the offloaded model."""
-    dtype = unserved_dtype(input, *layer.parameters(recurse=False), *layer.buffers(recurse=False))
+    # The layer's own parameters and buffers (None where unset), as parameters(recurse=False) and
+    # buffers(recurse=False) yield them, without their generators' cost on every forward.
+    dtype = unserved_dtype(input, *layer._parameters.values(), *layer._buffers.values())
     if dtype is None:
         return False
     if layer not in _warned:

@@ -7,6 +7,8 @@ operators; `auto` picks the best one present.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from ..registry import Operator, Plan
@@ -18,9 +20,11 @@ class Backend(Protocol):
     `device_memory()` (its DeviceMemory for device buffers, server/buffers.py);
     `compute_resident(operator, plan, {name: (block, byte offset)}, stream)` (a call whose tensors
     all live in its device memory, computed there); `synchronize(stream)` (waits for what it
-    launched without waiting); `end_session(owner, session)`; and `accepts_stream` (compute takes
-    `stream=`). `stream` is the client stream's key (identity, session, stream id), or None for
-    a call without one; synchronize's id is None for every stream of the session."""
+    launched without waiting); `end_session(owner, session)`; `accepts_stream` (compute takes
+    `stream=`); and `prepare(operator, plan)` (`compute` of that plan as a function of its args,
+    with what depends on the plan alone done once: see Engine.prepare; a backend without it runs
+    every call in full). `stream` is the client stream's key (identity, session, stream id), or
+    None for a call without one; synchronize's id is None for every stream of the session."""
 
     name: str
 
@@ -41,6 +45,9 @@ class NumpyBackend:
 
     def compute(self, operator: Operator, plan: Plan, args: dict[str, Any]) -> None:
         compute_in_range(operator, plan, args, lambda: operator.compute(**args))
+
+    def prepare(self, operator: Operator, plan: Plan) -> Callable[[dict[str, Any]], None]:
+        return functools.partial(self.compute, operator, plan)
 
 
 BACKENDS = ("auto", "numpy", "cpu", "torch", "npu")

@@ -158,23 +158,32 @@ class CpuBackend:
         return operator.workspace_size(plan) if module is None else module.workspace_size(plan)
 
     def compute(self, operator: Operator, plan: Plan, args: dict[str, Any]) -> None:
+        self.prepare(operator, plan)(args)
+
+    def prepare(self, operator: Operator, plan: Plan) -> Callable[[dict[str, Any]], None]:
+        """The compute of `plan`, its kernel chosen now: a repeated call's (Engine.prepare) skips the choice."""
         module = self._kernel(operator, plan)
         if module is None:
-            compute_in_range(operator, plan, args, lambda: operator.compute(**args))  # the reference
-        else:
-            compute_in_range(operator, plan, args, lambda: self._run(module, plan, args))
+            return lambda args: compute_in_range(
+                operator, plan, args, lambda: operator.compute(**args)
+            )  # the reference
+        run = (
+            self._one_thread if sum(t.numel for t in plan.inputs.values()) < SMALL_CALL_ELEMENTS else self._all_threads
+        )
+        return lambda args: compute_in_range(operator, plan, args, lambda: run(module.compute, plan, args))
 
-    def _run(self, module: ModuleType, plan: Plan, args: dict[str, Any]) -> bool:
-        """The kernel module's compute: whether a result left fp32's range."""
-        if sum(t.numel for t in plan.inputs.values()) >= SMALL_CALL_ELEMENTS:
-            with self._serial:
-                return module.compute(plan, args)
-        # Waking the worker threads costs more than a small call; results do not depend on
-        # the thread count, and Numba's setting is per calling thread.
+    def _one_thread(self, compute: Callable[[Plan, dict[str, Any]], bool], plan: Plan, args: dict[str, Any]) -> bool:
+        """The kernel on this thread alone: whether a result left fp32's range."""
+        # Waking the worker threads costs more than a small call; results do not depend on the
+        # thread count, and Numba's setting is per calling thread.
         threads = numba.get_num_threads()
         numba.set_num_threads(1)
         try:
             with self._serial:
-                return module.compute(plan, args)
+                return compute(plan, args)
         finally:
             numba.set_num_threads(threads)
+
+    def _all_threads(self, compute: Callable[[Plan, dict[str, Any]], bool], plan: Plan, args: dict[str, Any]) -> bool:
+        with self._serial:
+            return compute(plan, args)
