@@ -31,8 +31,9 @@ class LocalClient(BaseClient):
 
     A `run` whose arguments have the layout of an earlier call that computed straight into its
     outputs (same operator, parameter names, array dtypes, shapes, strides and flags, same other
-    values) skips binding and the error table, both functions of that layout: a small call's
-    fixed cost (a training step's, LayerNorm on a batch of 64) is then a fraction of a full one.
+    values) skips binding, the error table and what the engine derives from the plan (workspace,
+    admission sizes, the backend's kernel: Engine.prepare), all functions of that layout: a small
+    call's fixed cost (a training step's, LayerNorm on a batch of 64) is then a fraction of a full one.
     """
 
     def __init__(self, backend: str = "numpy", **engine_options: Any) -> None:
