@@ -55,10 +55,8 @@ from aclnn_common.wire import decode_status
 from .regions import Region
 
 # A connection's mailbox is made on its first payload above MAILBOX_FROM: at least this large (the
-# payload's size rounded up to a power of two, or beyond _MAILBOX_STEP_BYTES to a multiple of it),
-# and replaced by a larger one as payloads grow.
+# payload's size rounded up to a power of two), and replaced by a larger one as payloads grow.
 _MAILBOX_START_BYTES = 256 << 10
-_MAILBOX_STEP_BYTES = 4 << 20
 
 # Payloads up to this size are sent in one piece with their header (one syscall, one small copy).
 _COALESCE_BYTES = 64 << 10
@@ -160,13 +158,6 @@ class Attachments:
                     del request.input_refs[name]
         for name in [name for name, placement in request.placements.items() if placement.attached]:
             del request.placements[name]
-
-
-def _mailbox_size(size: int) -> int:
-    """The mailbox made for a payload of `size` bytes (the server maps, and holds, all of it)."""
-    if size <= _MAILBOX_STEP_BYTES:
-        return max(_MAILBOX_START_BYTES, 1 << (size - 1).bit_length())
-    return min(MAILBOX_MAX_BYTES, -(-size // _MAILBOX_STEP_BYTES) * _MAILBOX_STEP_BYTES)
 
 
 class _Connection:
@@ -370,7 +361,7 @@ class DataChannel:
             return conn.mailbox
         if size > MAILBOX_MAX_BYTES or conn.mailbox_refused:
             return None
-        mailbox = Region(_mailbox_size(size), "aclnn-mailbox")
+        mailbox = Region(max(_MAILBOX_START_BYTES, 1 << (size - 1).bit_length()), "aclnn-mailbox")
         try:
             self._pass_memfd(conn.sock, MAILBOX, mailbox.fd, mailbox.size, timeout)
         except AclnnError:  # a server that takes no mailbox, or not one this large

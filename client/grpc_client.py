@@ -54,10 +54,7 @@ _SERVICE_CONFIG = '{"loadBalancingConfig": [{"round_robin": {}}]}'
 # The default inline limits (max_inline_bytes None). Over gRPC a message's cost grows faster than its
 # size (protobuf copies, and upb's serializer beyond a few MiB): streaming took less from 512 KiB-1 MiB
 # tensors on (bench/transport.py --sweep). The data channel sends inline tensors raw, without that cost.
-# Over the Unix socket a call's payload travels in its connection's mailbox (up to MAILBOX_MAX_BYTES),
-# where the server reads its tensors without copying them: larger tensors than over TCP stay inline.
-UNIX_INLINE_BYTES = 16 << 20
-TCP_INLINE_BYTES = 4 << 20
+DATA_CHANNEL_INLINE_BYTES = 4 << 20
 GRPC_INLINE_BYTES = 512 << 10
 
 
@@ -78,9 +75,8 @@ class Client(BaseClient):
     ValueError unless `allow_plaintext_token=True`. `timeout` is each RPC's deadline in seconds.
 
     Tensors larger than `max_inline_bytes` are streamed in chunks and referenced by handle,
-    so they may exceed gRPC's message limits (2 GiB included); by default 16 MiB over the data
-    channel's Unix socket and 4 MiB over its TCP, where inline tensors travel raw beside the call
-    (on the Unix socket in a mailbox the server reads them from), and GRPC_INLINE_BYTES over gRPC,
+    so they may exceed gRPC's message limits (2 GiB included); by default 4 MiB over the data
+    channel, where inline tensors travel raw beside the call, and GRPC_INLINE_BYTES over gRPC,
     whose messages cost more per byte than streaming beyond that. With `data_channel=True` (the
     default), calls and tensor bytes go over the server's data channel, which moves bytes
     without protobuf copies: its Unix socket when the server runs on this host (a loopback
@@ -658,10 +654,7 @@ class _Transfers:
     def max_inline_bytes(self, replica: int) -> int:
         if self.client.max_inline_bytes is not None:
             return self.client.max_inline_bytes
-        channel = self.client._data_channel(replica)
-        if channel is None:
-            return GRPC_INLINE_BYTES
-        return UNIX_INLINE_BYTES if channel.unix else TCP_INLINE_BYTES
+        return DATA_CHANNEL_INLINE_BYTES if self.attaches(replica) else GRPC_INLINE_BYTES
 
 
 def _lost(executor: Executor, error: AclnnError) -> bool:

@@ -74,7 +74,7 @@ ATTACHMENT_ALIGN = 64  # the attached part, and each tensor in it, starts at a m
 # A Unix-socket buffer holds ~36.5 KiB (one page-sized head and 32 KiB of pages): payloads above
 # this travel in the connection's mailbox, of at most MAILBOX_MAX_BYTES.
 MAILBOX_FROM = 32 << 10
-MAILBOX_MAX_BYTES = 64 << 20
+MAILBOX_MAX_BYTES = 16 << 20
 REQUEST = struct.Struct("<BBqIQ")
 REPLY = struct.Struct("<BQ")
 REGION = struct.Struct("<Q")

@@ -16,7 +16,7 @@ from test_processes import broadcast_call
 from test_shared_memory import memfd, unix_connect
 from test_transport import wait_for
 
-from aclnn_client import AclnnError, Client, data_channel
+from aclnn_client import AclnnError, Client
 from aclnn_client.data_channel import Attachments
 from aclnn_common._proto import aclnn_pb2 as pb
 from aclnn_common.binding import bind
@@ -59,14 +59,13 @@ def attached_reply(payload: bytes) -> tuple[bytes, bytes]:
     [
         (True, 4, 4),  # a small call in the connection's mailbox
         (True, 512, 4),  # 2 MiB tensors: a 4 MiB request in the mailbox
-        (True, 2304, 10),  # 9 MiB tensors: an 18 MiB request, too large for a mailbox (here): over the socket
+        (True, 2304, 10),  # 9 MiB tensors: an 18 MiB request, too large for a mailbox: over the socket
         (False, 4, 4),
         (False, 512, 4),
     ],
     ids=["unix-small", "unix-mailbox", "unix-socket", "tcp-small", "tcp-large"],
 )
-def test_inline_tensors_travel_raw_beside_the_message(serve, rng, monkeypatch, unix, rows, inline_mib):
-    monkeypatch.setattr(data_channel, "MAILBOX_MAX_BYTES", 16 * MIB)  # the client's largest mailbox
+def test_inline_tensors_travel_raw_beside_the_message(serve, rng, unix, rows, inline_mib):
     served = serve()
     p = layer_norm_call(rng, (rows, 1024))
     with Client(served.address, unix_socket=unix, max_inline_bytes=inline_mib * MIB) as c:

@@ -27,7 +27,7 @@ from test_shared_memory import (
 )
 from test_transport import wait_for
 
-from aclnn_client import AclnnError, Client, data_channel
+from aclnn_client import AclnnError, Client
 from aclnn_common._proto import aclnn_pb2 as pb
 from aclnn_common.framing import CALL, IN_MAILBOX, MAILBOX, MAILBOX_MAX_BYTES
 from aclnn_common.wire import decode_output
@@ -86,8 +86,7 @@ def closed_by_server(sock: socket.socket) -> bool:
         return True
 
 
-def test_large_calls_travel_in_a_mailbox_that_grows_and_goes_with_its_connection(server_process, rng, monkeypatch):
-    monkeypatch.setattr(data_channel, "MAILBOX_MAX_BYTES", 16 * MIB)  # the client's largest mailbox
+def test_large_calls_travel_in_a_mailbox_that_grows_and_goes_with_its_connection(server_process, rng):
     proc, address = server_process
     with Client(address, max_inline_bytes=32 * MIB) as c:
         p = layer_norm_call(rng, (2, 1024))  # 21 KB: one socket buffer, no mailbox
