@@ -202,3 +202,21 @@ def test_a_prepared_call_beyond_fp32s_range_is_computed_in_fp64(counted, rng, ba
         y = engine.run("aclnnRmsNorm", received(p, "aclnnRmsNorm", RMS_OUTPUTS))[1]["yOut"]
         assert_close(y, expected(p), "yOut")
     assert counted == {"bind": 1, "validate": 1}
+
+
+def test_a_changed_layout_in_process_is_refused_as_a_fresh_client_refuses_it(rng):
+    """LocalClient: after a prepared layout, the same arrays with another scalar or shape run in full."""
+    with LocalClient("numpy") as c, LocalClient("numpy") as fresh:
+        c.run(OP, **layer_norm_call(rng, (4, 16)))
+        c.run(OP, **layer_norm_call(rng, (4, 16)))
+        for change, param in (({"normalizedShape": [8]}, "input"), ({"rstd": np.ones((4, 2), np.float32)}, "rstd")):
+            p = dict(layer_norm_call(rng, (4, 16)), **change)
+            before = {name: p[name].copy() for name in OUTPUTS}
+            refusals = []
+            for client in (c, fresh):
+                with pytest.raises(AclnnError) as refused:
+                    client.run(OP, **p)
+                refusals.append((refused.value.code, refused.value.param, str(refused.value)))
+            assert refusals[0] == refusals[1] and refusals[0][:2] == (161002, param)
+            for name in OUTPUTS:
+                assert np.array_equal(p[name], before[name], equal_nan=True), name
