@@ -16,7 +16,8 @@ else while it waits (the server takes a closed connection for a cancelled call):
     DOWNLOAD  payload = TensorHandle message; reply: the raw bytes
     REGISTER_REGION    (Unix socket) payload = size:u64; reply (empty) when the server is ready for
               the descriptor, then the client sends one byte with one memfd as SCM_RIGHTS ancillary
-              data, sealed against shrinking and growing (on tmpfs, not hugetlbfs); reply: the
+              data, sealed against shrinking, growing and further seals (F_SEAL_SEAL: the server
+              gives back the pages it faults in; on tmpfs, not hugetlbfs); reply: the
               region's id (ASCII), valid in RegionSlice.region for this session
     UNREGISTER_REGION  payload = the region's id; reply: empty
     MAILBOX   (Unix socket) payload = size:u64, at most MAILBOX_MAX_BYTES; then like REGISTER_REGION

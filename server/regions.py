@@ -23,7 +23,10 @@ from aclnn_common.errors import invalid_error
 
 from .ledger import Hold
 
-_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+# F_SEAL_SEAL too: a client that could add F_SEAL_FUTURE_WRITE later would stop the server from
+# giving back (MADV_REMOVE, a punched hole) the pages it faulted into the memfd, which stay charged
+# to the server for as long as the client keeps its descriptor.
+_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 # Each mapped region keeps a descriptor open (Python's mmap holds a duplicate) and one of the
 # process's memory maps: an identity may keep this many at once (counted until the last view goes).
 MAX_REGIONS_PER_IDENTITY = 256
@@ -82,13 +85,15 @@ def map_region(offer: RegionOffer) -> tuple[mmap.mmap, tuple[int, int]]:
 
 def checked_memfd(offer: RegionOffer, punchable: bool = False) -> int:
     """The offer's one descriptor, once it is a memfd (on the kernel's internal tmpfs, not hugetlbfs)
-    sealed against shrinking and growing that holds the declared size; 161002 naming `region` when not.
+    sealed against shrinking, growing and further seals that holds the declared size; 161002 naming
+    `region` when not.
 
     F_GET_SEALS comes first: it answers at once for any descriptor (EINVAL for all but memfds and
     tmpfs files), so nothing that could block (a FUSE file's fstat) is ever asked of another kind.
     hugetlbfs memfds are refused: a hole punched in one after it was checked would SIGBUS the
     server's next access to that page when the huge page pool is empty. `punchable`: refused too
-    when sealed against writes (the server could not give back pages it faulted into it).
+    when sealed against writes (the server could not give back pages it faulted into it; F_SEAL_SEAL
+    keeps such a seal from coming later).
     """
     if offer.fd is None or offer.passed != 1:
         raise invalid_error(
@@ -111,7 +116,9 @@ def checked_memfd(offer: RegionOffer, punchable: bool = False) -> int:
         raise invalid_error("region", "the descriptor is not a memfd (regions are never opened by name)")
     if seals & _SEALS != _SEALS:
         raise invalid_error(
-            "region", "the memfd must be sealed against shrinking and growing (F_SEAL_SHRINK | F_SEAL_GROW)"
+            "region",
+            "the memfd must be sealed against shrinking and growing, and against further seals "
+            "(F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL)",
         )
     if punchable and seals & (fcntl.F_SEAL_WRITE | _F_SEAL_FUTURE_WRITE):
         raise invalid_error("region", "the memfd must not be sealed against writes")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import logging
 import mmap
 import os
 import weakref
@@ -10,6 +11,8 @@ import weakref
 import numpy as np
 
 from ...ledger import Hold
+
+log = logging.getLogger("aclnn_server")
 
 _MAPPED_MAILBOX_BYTES = 64 << 10
 _NOTHING = np.empty(0, np.uint8)
@@ -75,7 +78,8 @@ class Mailbox:
 def _unmapped(mapping: mmap.mmap, fd: int, hold: Hold | None) -> None:
     """The last view of a mailbox's mapping is gone: the mapped range is punched out of the memfd, the
     descriptor closed, the hold ended; the mapping closes with the last reference to it (this call's)."""
-    _libc.fallocate(fd, _PUNCH_HOLE, 0, len(mapping))
+    if _libc.fallocate(fd, _PUNCH_HOLE, 0, len(mapping)) != 0:  # checked_memfd's seals rule this out
+        log.warning("a mailbox's pages could not be given back: %s", os.strerror(ctypes.get_errno()))
     os.close(fd)
     if hold is not None:
         hold.release()
