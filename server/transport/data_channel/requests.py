@@ -340,9 +340,11 @@ def _left_in_mailbox(mailbox: Mailbox, length: int) -> tuple[int, memoryview | N
     client wrote it (None: the mailbox is not mapped that far; all of it is copied). The message's
     length is read once here and checked; the message itself is parsed from the copy."""
     head = mailbox.view(0, min(length, 256 + MESSAGE_LENGTH.size))  # a method name has at most 255 bytes
-    if head is None or head.nbytes < 1 + head[0] + MESSAGE_LENGTH.size:
+    if head is None or not head.nbytes:
         return length, None
-    start = 1 + head[0] + MESSAGE_LENGTH.size
+    start = 1 + head[0] + MESSAGE_LENGTH.size  # read once: the client may change it meanwhile
+    if head.nbytes < start:
+        return length, None
     end = start + MESSAGE_LENGTH.unpack_from(head, start - MESSAGE_LENGTH.size)[0]
     attached = mailbox.view(min(aligned(end), length), length) if end <= length else None
     return (length, None) if attached is None else (end, attached)
