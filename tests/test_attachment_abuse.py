@@ -6,9 +6,14 @@ from __future__ import annotations
 
 import fcntl
 import os
+import socket
+import ssl
+import time
 
+import grpc
 import numpy as np
 import pytest
+from certs import make_certificates
 from layer_norm_cases import layer_norm_call
 from test_attachments import attached_call, attached_inputs, attached_reply, exchange
 from test_data_channel import OUTPUTS, check, error_of, reply, request, ticket
@@ -17,7 +22,8 @@ from test_shared_memory import memfd, refused, register, unix_connect
 from test_transport import wait_for
 
 from aclnn_common._proto import aclnn_pb2 as pb
-from aclnn_common.framing import ATTACHED, CALL, IN_MAILBOX, MESSAGE_LENGTH
+from aclnn_common._proto import aclnn_pb2_grpc as pb_grpc
+from aclnn_common.framing import ATTACHED, CALL, IN_MAILBOX, MAGIC, MESSAGE_LENGTH, REPLY
 
 MIB = 1 << 20
 UNSEALABLE = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW  # sealed as a region must be, but open to more seals
@@ -149,3 +155,73 @@ def test_lying_attached_ranges_are_refused_naming_the_reference(serve, rng, in_m
         check(p)
     os.close(fd)
     wait_for(lambda: served.engine.ledger.held == 0)
+
+
+# Large requests over TCP: the low-water mark --------------------------------------------------
+
+
+class PiecewiseTls:
+    """A TLS client of the data channel whose ciphertext the test sends in pieces of its choosing
+    (as a network delivers it: a piece may end inside a TLS record)."""
+
+    def __init__(self, address: str, ca: bytes, cafile: str) -> None:
+        credentials = grpc.ssl_channel_credentials(root_certificates=ca)
+        with grpc.secure_channel(address, credentials) as channel:
+            offer = pb_grpc.AclnnStub(channel).OpenDataChannel(pb.Empty(), metadata=(("x-aclnn-session", "s"),))
+        self.sock = socket.create_connection(("127.0.0.1", offer.port), timeout=30)
+        self.incoming, self.outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+        context = ssl.create_default_context(cafile=cafile)
+        self.tls = context.wrap_bio(self.incoming, self.outgoing, server_hostname="127.0.0.1")
+        while True:
+            try:
+                self.tls.do_handshake()
+                break
+            except ssl.SSLWantReadError:
+                self.sock.sendall(self.outgoing.read())
+                self.incoming.write(self.sock.recv(65536))
+        self.sock.sendall(self.ciphertext(MAGIC + offer.ticket))
+        assert REPLY.unpack(self.read(REPLY.size)) == (1, 0)
+
+    def ciphertext(self, data: bytes) -> bytes:
+        self.tls.write(data)
+        return self.outgoing.read()
+
+    def read(self, nbytes: int) -> bytes:
+        data = b""
+        while len(data) < nbytes:
+            try:
+                data += self.tls.read(nbytes - len(data))
+            except ssl.SSLWantReadError:
+                chunk = self.sock.recv(65536)
+                if not chunk:
+                    raise ConnectionResetError("closed by the server") from None
+                self.incoming.write(chunk)
+        return data
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory):
+    return make_certificates(tmp_path_factory.mktemp("certs"))
+
+
+def test_a_large_tls_request_whose_tail_arrives_later_is_served(serve, certs, rng):
+    """Over TLS the bytes OpenSSL took of a record it could not finish are out of the socket already:
+    a low-water mark of the request's remaining (plaintext) bytes could exceed the ciphertext still to
+    come, and the connection then waited, unwoken, until its progress deadline cut it (11 of 12 such
+    pauses did, reproduced). The pause here ends each time at another point inside a record."""
+    tls = dict(tls_cert=certs.path("server.pem"), tls_key=certs.path("server.key"))
+    served = serve(data_handshake_timeout_s=1.5, **tls)
+    p = layer_norm_call(rng, (256, 1024))  # 1 MiB tensors
+    call, raw = attached_inputs(p)
+    payload = attached_call("Run", call.SerializeToString(), raw)
+    for k in range(6):
+        client = PiecewiseTls(served.address, certs.ca.cert, str(certs.path("ca.pem")))
+        data = client.ciphertext(request(CALL | ATTACHED, len(payload)) + payload)
+        cut = 300_000 + k * 1400  # the last ~0.3 MB come 0.3 s later
+        client.sock.sendall(data[:-cut])
+        time.sleep(0.3)
+        client.sock.sendall(data[-cut:])
+        ok, length = REPLY.unpack(client.read(REPLY.size))
+        assert ok, k
+        client.read(length)
+        client.sock.close()

@@ -4,6 +4,7 @@ AclnnService like an RPC, and answered."""
 from __future__ import annotations
 
 import socket
+import ssl
 import time
 
 import numpy as np
@@ -103,8 +104,11 @@ class _SocketWrite:
 
 def _wake_for_more(conn: Connection) -> None:
     """A large payload over TCP wakes a worker only once a good part of its rest has arrived (SO_RCVLOWAT),
-    not for every segment: an 8 MiB request woke the server ~50 times. Back to one byte once it is in."""
-    if conn.unix:
+    not for every segment: an 8 MiB request woke the server ~50 times. Back to one byte once it is in.
+    Not under TLS: the mark counts ciphertext, and the TLS layer may hold part of a record it read
+    already, so the rest of a request can be fewer bytes than the mark: no wake-up, and the connection
+    cut at its progress deadline with the call lost."""
+    if conn.unix or isinstance(conn.sock, ssl.SSLSocket):
         return  # a Unix socket's readiness ignores the low-water mark; large payloads come in a mailbox
     lowat = min(conn.need - conn.got, _PAYLOAD_WAKE_BYTES) if conn.refusal is None else 1
     if lowat > 1 or conn.lowat > 1:
