@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import fcntl
 import os
+import pathlib
+import shutil
 import socket
 import ssl
+import tempfile
 import time
 
 import grpc
@@ -16,11 +19,13 @@ import pytest
 from certs import make_certificates
 from layer_norm_cases import layer_norm_call
 from test_attachments import attached_call, attached_inputs, attached_reply, exchange
-from test_data_channel import OUTPUTS, check, error_of, reply, request, ticket
-from test_mailbox import pass_mailbox
+from test_data_channel import OP, OUTPUTS, check, error_of, reply, request, ticket
+from test_mailbox import mailbox_maps, pass_mailbox
 from test_shared_memory import memfd, refused, register, unix_connect
 from test_transport import wait_for
+from users import NOBODY, needs_root, start_as_user
 
+from aclnn_client import Client
 from aclnn_common._proto import aclnn_pb2 as pb
 from aclnn_common._proto import aclnn_pb2_grpc as pb_grpc
 from aclnn_common.framing import ATTACHED, CALL, IN_MAILBOX, MAGIC, MESSAGE_LENGTH, REPLY
@@ -225,3 +230,72 @@ def test_a_large_tls_request_whose_tail_arrives_later_is_served(serve, certs, rn
         assert ok, k
         client.read(length)
         client.sock.close()
+
+
+# Floods -------------------------------------------------------------------------------------------
+
+
+def test_another_users_mailbox_flood_is_held_within_its_share(serve, rng):
+    """Another local user opens every connection it may, each with a 16 MiB mailbox never written,
+    and sends a 16 MiB call in each (the server reads all of it: each page of a mapped mailbox
+    faulted in). Only what its share can hold is mapped whole; the pages the server filled in its
+    memfds are never more than the ledger holds for it; a 17th connection is refused; another
+    tenant's calls go on, correct; and all of it is given back when the attacker leaves."""
+    needs_root()
+    size = 16 * MIB
+    served = serve(memory_budget_bytes=64 * MIB)  # a tenant's share: 32 MiB, of which stored bytes 24 MiB
+    ledger = served.engine.ledger
+    signals = tempfile.mkdtemp()  # where the attacker can see it (pytest's tmp_path is root's only)
+    os.chmod(signals, 0o755)
+    go = pathlib.Path(signals, "go")
+    attacker = start_as_user(
+        NOBODY,
+        f"""
+        from aclnn_common.framing import CALL, IN_MAILBOX
+        from test_data_channel import reply, request, ticket
+        from test_mailbox import mailbox_maps, pass_mailbox
+        from test_shared_memory import memfd, unix_connect
+        offer = ticket({served.address!r}, "flood")
+        socks, fds = [], []
+        for _ in range(16):
+            sock = unix_connect(offer)
+            fd = memfd({size})
+            assert pass_mailbox(sock, fd, {size}) == (True, b"")
+            sock.sendall(request(CALL | IN_MAILBOX, {size}))
+            assert not reply(sock)[0]  # zeros name no method
+            socks.append(sock)
+            fds.append(fd)
+        try:
+            unix_connect(offer)
+            print("admitted a 17th", flush=True)
+        except AssertionError:
+            pass
+        print(sum(os.fstat(fd).st_blocks * 512 for fd in fds), flush=True)
+        while not os.path.exists({str(go)!r}):
+            time.sleep(0.05)
+        for sock in socks:
+            sock.close()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and any(os.fstat(fd).st_blocks for fd in fds):
+            time.sleep(0.05)
+        print(sum(os.fstat(fd).st_blocks * 512 for fd in fds), flush=True)
+        """,
+    )
+    try:
+        filled = int(attacker.stdout.readline())
+        held = ledger.held_by("uid:65534")
+        assert size <= filled <= held <= 24 * MIB
+        assert sorted(mailbox_maps(os.getpid(), "test-region")) == [64 << 10] * 15 + [size]
+        with Client(served.address) as c:
+            for rows in (4, 64, 64):
+                p = layer_norm_call(rng, (rows, 1024))
+                c.run(OP, **p)
+                check(p)
+        go.touch()
+        assert int(attacker.stdout.readline()) == 0  # punched out once the server let go
+        assert attacker.wait(timeout=30) == 0
+    finally:
+        attacker.kill()
+        attacker.wait()
+        shutil.rmtree(signals)
+    wait_for(lambda: ledger.held == 0 and mailbox_maps(os.getpid(), "test-region") == [])
