@@ -4,6 +4,8 @@ computes on, stalling, flooding; what each does to the server and to everyone el
 
 from __future__ import annotations
 
+import concurrent.futures
+import ctypes
 import fcntl
 import os
 import pathlib
@@ -11,6 +13,7 @@ import shutil
 import socket
 import ssl
 import tempfile
+import threading
 import time
 
 import grpc
@@ -299,3 +302,66 @@ def test_another_users_mailbox_flood_is_held_within_its_share(serve, rng):
         attacker.wait()
         shutil.rmtree(signals)
     wait_for(lambda: ledger.held == 0 and mailbox_maps(os.getpid(), "test-region") == [])
+
+
+# Rewriting what the server computes on -----------------------------------------------------------
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.fallocate.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64)
+_PUNCH_HOLE = 0x02 | 0x01  # FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE
+
+
+def test_attached_inputs_rewritten_and_punched_while_computed_affect_only_their_caller(serve, rng):
+    """A client rewrites its attached inputs in the mailbox (NaN, infinities, random bytes) and
+    punches holes in them, over and over, while the server computes on them in place: its own calls
+    answer (whatever they computed), the server stays up, and another tenant's concurrent calls are
+    exact. The mailbox and the request copies are all given back after."""
+    served = serve()
+    size = 16 * MIB
+    p = layer_norm_call(rng, (512, 1024))  # 2 MiB tensors, attached in the mailbox
+    call, raw = all_attached(p)
+    payload = attached_call("Run", call.SerializeToString(), raw)
+    attached_from = len(payload) - len(raw)
+    fd = memfd(size)
+    os.pwrite(fd, payload, 0)
+    mailbox = np.memmap(f"/proc/self/fd/{fd}", np.uint8, "r+", shape=(size,))
+    stop = threading.Event()
+
+    def vandal() -> None:
+        garbage = np.frombuffer(rng.bytes(len(raw)), np.uint8)
+        specials = np.array([np.nan, np.inf, -np.inf, 3e38], np.float32).view(np.uint8)
+        turn = 0
+        while not stop.is_set():
+            turn += 1
+            if turn % 3 == 0:
+                _libc.fallocate(fd, _PUNCH_HOLE, attached_from, len(raw) // 4096 * 4096)
+            elif turn % 3 == 1:
+                mailbox[attached_from : len(payload)] = np.resize(specials, len(raw))
+            else:
+                mailbox[attached_from : len(payload)] = garbage
+
+    def victim() -> None:
+        with Client(served.address) as c:
+            while not stop.is_set():
+                q = layer_norm_call(rng, (64, 1024))
+                c.run(OP, **q)
+                check(q)
+
+    with unix_connect(ticket(served.address, "vandal")) as sock, concurrent.futures.ThreadPoolExecutor(2) as pool:
+        assert pass_mailbox(sock, fd, size) == (True, b"")
+        running = [pool.submit(vandal), pool.submit(victim)]
+        try:
+            for _ in range(10):
+                sock.sendall(request(CALL | ATTACHED | IN_MAILBOX, len(payload)))
+                ok, answer = reply(sock)
+                assert ok, error_of(answer).message
+                attached_reply(answer)
+        finally:
+            stop.set()
+            for future in running:
+                future.result(timeout=60)
+        keepalive = b"\x09KeepAlive"
+        sock.sendall(request(CALL, len(keepalive)) + keepalive)
+        assert reply(sock) == (True, b"")
+    os.close(fd)
+    wait_for(lambda: served.engine.ledger.held == 0)
