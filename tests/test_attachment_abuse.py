@@ -22,7 +22,7 @@ import pytest
 from certs import make_certificates
 from layer_norm_cases import layer_norm_call
 from test_attachments import attached_call, attached_inputs, attached_reply, exchange
-from test_data_channel import OP, OUTPUTS, check, error_of, reply, request, ticket
+from test_data_channel import OP, OUTPUTS, check, connect, error_of, reply, request, ticket
 from test_mailbox import mailbox_maps, pass_mailbox
 from test_shared_memory import memfd, refused, register, unix_connect
 from test_transport import wait_for
@@ -365,3 +365,33 @@ def test_attached_inputs_rewritten_and_punched_while_computed_affect_only_their_
         assert reply(sock) == (True, b"")
     os.close(fd)
     wait_for(lambda: served.engine.ledger.held == 0)
+
+
+# Stalling ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("unix", [False, True], ids=["tcp", "unix"])
+def test_attached_results_never_read_are_held_until_the_connection_is_cut(serve, rng, unix):
+    """A client sends a call whose 16 MiB of results come back attached, and never reads them: the
+    results stay held while the reply waits in a full socket, the connection is cut once the reply
+    falls behind the minimum pace, and then everything is given back; others are served meanwhile."""
+    served = serve(data_handshake_timeout_s=0.5)
+    ledger = served.engine.ledger
+    p = layer_norm_call(rng, (4096, 1024))
+    call, raw = all_attached(p)
+    payload = attached_call("Run", call.SerializeToString(), raw)
+    offer = ticket(served.address, "stall")
+    if unix:
+        sock = unix_connect(offer)
+    else:
+        sock = connect(offer)
+        assert reply(sock)[0]
+    with sock:
+        sock.sendall(request(CALL | ATTACHED, len(payload)) + payload)
+        wait_for(lambda: ledger.held_by_kind().get("call", 0) >= p["input"].nbytes)  # the results, unsent
+        q = layer_norm_call(rng, (64, 1024))
+        with Client(served.address) as c:
+            c.run(OP, **q)
+        check(q)
+        wait_for(lambda: served.server.data_channel.open_connections == 0, timeout=10)
+        wait_for(lambda: ledger.held == 0)
