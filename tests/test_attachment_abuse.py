@@ -395,3 +395,22 @@ def test_attached_results_never_read_are_held_until_the_connection_is_cut(serve,
         check(q)
         wait_for(lambda: served.server.data_channel.open_connections == 0, timeout=10)
         wait_for(lambda: ledger.held == 0)
+
+
+def test_a_large_tcp_request_at_a_steady_pace_above_the_minimum_is_served(serve, rng):
+    """The low-water mark wakes the server only once a good part of a request's rest arrived: never
+    so late that a client keeping above the minimum pace (here 1.6 MiB/s against 1 MiB/s) seems to
+    have stalled for the grace period (here 0.5 s) meanwhile."""
+    served = serve(data_handshake_timeout_s=0.5)
+    p = layer_norm_call(rng, (384, 1024))  # 1.5 MiB tensors: a 3 MiB request
+    call, raw = attached_inputs(p)
+    payload = attached_call("Run", call.SerializeToString(), raw)
+    data = request(CALL | ATTACHED, len(payload)) + payload
+    piece = 64 << 10
+    with connect(ticket(served.address)) as sock:
+        assert reply(sock)[0]
+        for start in range(0, len(data), piece):
+            sock.sendall(data[start : start + piece])
+            time.sleep(piece / (1.6 * MIB))
+        ok, answer = reply(sock)
+        assert ok, error_of(answer).message

@@ -38,7 +38,7 @@ from aclnn_common.framing import (
 from ...engine import CallContext
 from ...ledger import Hold
 from ...regions import RegionOffer, checked_memfd
-from ..progress import progress_deadline
+from ..progress import MIN_BYTES_PER_S, progress_deadline
 from ..service import AclnnService, failure_status, new_request_id, release
 from .connection import Connection, Limits, ProtocolError
 from .descriptors import Broker, Excess, allow_passing, receive_one
@@ -102,7 +102,7 @@ class _SocketWrite:
         return None
 
 
-def _wake_for_more(conn: Connection) -> None:
+def _wake_for_more(conn: Connection, allowance_s: float) -> None:
     """A large payload over TCP wakes a worker only once a good part of its rest has arrived (SO_RCVLOWAT),
     not for every segment: an 8 MiB request woke the server ~50 times. Back to one byte once it is in.
     Not under TLS: the mark counts ciphertext, and the TLS layer may hold part of a record it read
@@ -110,7 +110,10 @@ def _wake_for_more(conn: Connection) -> None:
     cut at its progress deadline with the call lost."""
     if conn.unix or isinstance(conn.sock, ssl.SSLSocket):
         return  # a Unix socket's readiness ignores the low-water mark; large payloads come in a mailbox
-    lowat = min(conn.need - conn.got, _PAYLOAD_WAKE_BYTES) if conn.refusal is None else 1
+    # Bytes unseen until the wake-up are no progress to the deadline: at the minimum pace they come in
+    # half the grace period (a client above the pace was cut when the grace was short).
+    most = min(_PAYLOAD_WAKE_BYTES, int(MIN_BYTES_PER_S * allowance_s / 2))
+    lowat = min(conn.need - conn.got, most) if conn.refusal is None else 1
     if lowat > 1 or conn.lowat > 1:
         lowat = max(lowat, 1)
         if lowat != conn.lowat:
@@ -172,9 +175,9 @@ class Requests:
                     raise ProtocolError("the mailbox holds less than the request")
                 conn.got = conn.need
         if not (drain(conn) if conn.refusal is not None else fill(conn, self.limits.handshake_timeout_s)):
-            _wake_for_more(conn)
+            _wake_for_more(conn, self.limits.handshake_timeout_s)
             return None
-        _wake_for_more(conn)
+        _wake_for_more(conn, self.limits.handshake_timeout_s)
         return conn.header
 
     def serve(self, conn: Connection, kind: int, has_stream: int, stream: int, timeout_ms: int, length: int) -> None:
