@@ -23,7 +23,8 @@ from certs import make_certificates
 from layer_norm_cases import layer_norm_call
 from test_attachments import attached_call, attached_inputs, attached_reply, exchange
 from test_data_channel import OP, OUTPUTS, check, connect, error_of, reply, request, ticket
-from test_mailbox import mailbox_maps, pass_mailbox
+from test_mailbox import closed_by_server, mailbox_maps, pass_mailbox
+from test_processes import broadcast_call
 from test_shared_memory import memfd, refused, register, unix_connect
 from test_transport import wait_for
 from users import NOBODY, needs_root, start_as_user
@@ -256,7 +257,8 @@ def test_another_users_mailbox_flood_is_held_within_its_share(serve, rng):
         f"""
         from aclnn_common.framing import CALL, IN_MAILBOX
         from test_data_channel import reply, request, ticket
-        from test_mailbox import mailbox_maps, pass_mailbox
+        from test_mailbox import closed_by_server, mailbox_maps, pass_mailbox
+from test_processes import broadcast_call
         from test_shared_memory import memfd, unix_connect
         offer = ticket({served.address!r}, "flood")
         socks, fds = [], []
@@ -414,3 +416,48 @@ def test_a_large_tcp_request_at_a_steady_pace_above_the_minimum_is_served(serve,
             time.sleep(piece / (1.6 * MIB))
         ok, answer = reply(sock)
         assert ok, error_of(answer).message
+
+
+def test_a_half_sent_attached_request_is_cut_and_given_back(serve, rng):
+    """Half of a 3 MiB attached request over TCP, then silence: the worker is never woken for it (its
+    rest is below the low-water mark), the housekeeping cuts it at its deadline, and its reserved
+    bytes are given back; another client is served meanwhile."""
+    served = serve(data_handshake_timeout_s=0.5)
+    ledger = served.engine.ledger
+    p = layer_norm_call(rng, (384, 1024))
+    call, raw = attached_inputs(p)
+    payload = attached_call("Run", call.SerializeToString(), raw)
+    with connect(ticket(served.address)) as sock:
+        assert reply(sock)[0]
+        sock.sendall(request(CALL | ATTACHED, len(payload)) + payload[: len(payload) // 2])
+        wait_for(lambda: ledger.held_by_kind().get("request") == len(payload))
+        q = layer_norm_call(rng, (64, 1024))
+        with Client(served.address, unix_socket=False) as c:
+            c.run(OP, **q)
+        check(q)
+        wait_for(lambda: ledger.held == 0, timeout=5)
+        assert closed_by_server(sock)
+
+
+def test_a_queued_mailbox_call_whose_client_left_lets_go_of_the_mailbox(serve, rng):
+    """A call whose attached inputs are read in place in the mailbox waits behind another tenant's
+    long call; its client closes the connection: the call is given up, the mapping and its hold go."""
+    served = serve(max_concurrency=1)
+    ledger = served.engine.ledger
+    p = layer_norm_call(rng, (64, 1024))
+    call, raw = all_attached(p)
+    payload = attached_call("Run", call.SerializeToString(), raw)
+    fd = memfd(MIB)
+    os.pwrite(fd, payload, 0)
+    with Client(served.address) as other, concurrent.futures.ThreadPoolExecutor(1) as pool:
+        other.list_operators()
+        with unix_connect(ticket(served.address, "s")) as sock:
+            assert pass_mailbox(sock, fd, MIB) == (True, b"")
+            running = pool.submit(other.run, OP, **broadcast_call(0, rows=65536))
+            wait_for(lambda: served.engine.admission.running == 1)
+            sock.sendall(request(CALL | ATTACHED | IN_MAILBOX, len(payload)))
+            wait_for(lambda: served.engine.admission.waiting == 1)
+        running.result(timeout=60)
+    os.close(fd)
+    wait_for(lambda: ledger.held == 0 and mailbox_maps(os.getpid(), "test-region") == [])
+    assert served.engine.admission.waiting == 0
