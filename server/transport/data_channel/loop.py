@@ -186,6 +186,7 @@ class DataChannelServer:
         Returns once every connection closed, or after `grace` seconds; `grace=None` (as
         grpc.Server.stop) closes busy connections at once too.
         """
+        closed = []
         with self._lock:
             if self._stopping:
                 return
@@ -194,9 +195,11 @@ class DataChannelServer:
             self._parked.clear()
             for conn in list(self._conns.values()):
                 if not conn.active or conn in parked:
-                    self._close_locked(conn)
+                    closed += [conn] if self._close_locked(conn) else []
                 elif grace is None:
                     _shutdown(conn.sock)
+        for conn in closed:
+            conn.let_go()
         self._close_listeners()
         self._stopped.set()
         os.write(self._wake_w, b"x")  # workers with nothing to finish leave
@@ -424,19 +427,25 @@ class DataChannelServer:
     def _rearm(self, conn: Connection) -> None:
         with self._lock:
             conn.active = False
-            if self._stopping:
-                self._close_locked(conn)
-            else:
+            if not self._stopping:
                 self._epoll.modify(conn.fd, conn.events | select.EPOLLONESHOT)
+                return
+            closed = self._close_locked(conn)
+        if closed:
+            conn.let_go()
 
     def _close(self, conn: Connection, fds: list[int] | None = None) -> None:
         """Closes a connection (and descriptors it passed uninvited, which only the broker closes)."""
         with self._lock:
-            self._close_locked(conn, fds)
+            closed = self._close_locked(conn, fds)
+        if closed:
+            conn.let_go()
 
-    def _close_locked(self, conn: Connection, fds: list[int] | None = None) -> None:
+    def _close_locked(self, conn: Connection, fds: list[int] | None = None) -> bool:
+        """Closes the connection's socket (True), unless closed already (False); the caller then lets go
+        of what it held (Connection.let_go), after the lock."""
         if conn.closed:
-            return
+            return False
         conn.closed = True
         del self._conns[conn.fd]
         if conn.admitted:
@@ -446,9 +455,6 @@ class DataChannelServer:
                 del self._per_identity[conn.owner]
         else:
             self._handshaking -= 1
-        conn.drop_request()
-        if conn.mailbox is not None:
-            conn.mailbox.close()
         try:
             self._epoll.unregister(conn.fd)  # before close: the number may be reused at once
         except OSError:
@@ -457,6 +463,7 @@ class DataChannelServer:
             self._broker.close_later(conn.identity, fds or [], conn.sock)
         else:
             conn.sock.close()  # nothing passed can be queued on it: this close never waits for a peer
+        return True
 
     def _sweep(self) -> list[Connection]:
         """Closes the connections past their deadline or idle for too long; returns them."""
@@ -464,6 +471,8 @@ class DataChannelServer:
             expired = overdue(self._conns.values(), time.monotonic(), self.limits.idle_timeout_s)
             for conn in expired:
                 self._close_locked(conn)
+        for conn in expired:
+            conn.let_go()
         return expired
 
     # Handshake ------------------------------------------------------------------------------
