@@ -288,8 +288,8 @@ def test_another_users_mailbox_flood_is_held_within_its_share(serve, rng):
     )
     try:
         filled = int(attacker.stdout.readline())
-        held = ledger.held_by("uid:65534")
-        assert size <= filled <= held <= 24 * MIB
+        held = ledger.held_by("uid:65534")  # with, for a moment, its last request's copy
+        assert size <= filled <= held <= 32 * MIB and ledger.held_by_kind()["mailbox"] <= 24 * MIB
         assert sorted(mailbox_maps(os.getpid(), "test-region")) == [64 << 10] * 15 + [size]
         with Client(served.address) as c:
             for rows in (4, 64, 64):
