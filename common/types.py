@@ -106,11 +106,11 @@ def torch_array(obj: Any) -> np.ndarray | None:
     torch = sys.modules.get("torch")
     if torch is None or not isinstance(obj, torch.Tensor):
         return None
-    if not obj.is_cpu:
-        raise TypeError(f"a torch tensor must be on the CPU, this one is on {obj.device}")
-    try:
-        if obj.dtype == torch.bfloat16:
+    try:  # asking `is_cpu` first would cost a small call as much as the view itself
+        if obj.dtype == torch.bfloat16 and obj.is_cpu:
             return obj.detach().view(torch.int16).numpy().view(ml_dtypes.bfloat16)
         return (obj.detach() if obj.requires_grad else obj).numpy()
-    except (TypeError, RuntimeError) as exc:  # unsupported dtypes, sparse, conjugate or negative bits
+    except (TypeError, RuntimeError) as exc:  # not on the CPU, unsupported dtypes, sparse, conjugate or negative bits
+        if not obj.is_cpu:
+            raise TypeError(f"a torch tensor must be on the CPU, this one is on {obj.device}") from None
         raise TypeError(f"torch tensor {obj.dtype}{list(obj.shape)} has no NumPy view: {exc}") from None

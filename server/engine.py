@@ -372,6 +372,9 @@ class Engine:
         except AclnnError:
             return None
         args = self._values(operator, plan)
+        for spec in operator.signature.params:  # the tensors it lacks, as _compute would add them
+            if spec.kind is Kind.TENSOR and spec.name not in plan.inputs and spec.name not in plan.outputs:
+                args.setdefault(spec.name, None)
         return PreparedRun(operator, plan, workspace_size, parts, args, backend, prepare(operator, plan))
 
     def _prepared_run(self, op: str, values: Mapping[str, Value], call: CallContext) -> PreparedRun | None:
@@ -404,8 +407,8 @@ class Engine:
         call: CallContext,
     ) -> dict[str, np.ndarray] | None:
         """`run` of a prepared call on its inputs' `storage`, C-contiguous arrays of the layout it was
-        prepared for (in process: see LocalClient), into `destinations`; None when the backend changed
-        since (then run it in full)."""
+        prepared for, each its tensor's whole view (in process: see LocalClient), into `destinations`;
+        None when the backend changed since (then run it in full)."""
         if prepared.backend is not self.backend:
             return None
         return self._run_prepared(prepared, storage, destinations, call, checked=False)
@@ -426,8 +429,8 @@ class Engine:
         for name, desc in prepared.plan.inputs.items():
             if checked:
                 args[name] = _input_view(name, desc, storage[name])
-            else:  # desc.view's view, without its checks
-                view = np.ndarray(desc.shape, desc.dtype, storage[name], desc.byte_offset, desc.byte_strides)
+            else:  # desc.view's view, without its checks: the array itself (run_prepared), read-only
+                view = storage[name].view()
                 view.flags.writeable = False
                 args[name] = view
         with self._admitted(prepared.plan, prepared.workspace_size, call, parts=prepared.parts):
@@ -800,9 +803,12 @@ class Engine:
         for name in plan.outputs.keys() & plan.inputs.keys():  # in/out: updated in place, from the input's values
             outputs[name][...] = args[name]
             args[name] = outputs[name]
-        for spec in operator.signature.params:
-            if spec.kind is Kind.TENSOR:
-                args.setdefault(spec.name, outputs.get(spec.name))
+        if prepared is None:
+            for spec in operator.signature.params:
+                if spec.kind is Kind.TENSOR:
+                    args.setdefault(spec.name, outputs.get(spec.name))
+        else:  # a prepared call's arguments hold its other tensors already (Engine.prepare)
+            args.update(outputs)
         started = time.perf_counter()
         try:
             if prepared is not None:

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from aclnn_common.api import BaseClient, Executor
-from aclnn_common.binding import BoundCall, bind, disjoint
+from aclnn_common.binding import BoundCall, bind
 from aclnn_common.device import DeviceBuffer
 from aclnn_common.tensor import Tensor, Value
 from aclnn_common.types import torch_array
@@ -157,9 +157,10 @@ class _Prepared:
     from it (Engine.prepare), and which of its arrays are inputs and outputs."""
 
     run: PreparedRun
-    inputs: tuple[str, ...]  # whose storage the operator reads
-    inout: frozenset[str]
     outputs: tuple[str, ...]
+    # The pairs of arrays that must not share memory for the outputs to be computed in place: each
+    # output with each other output and each input that is not also an output (disjoint's pairs).
+    apart: tuple[tuple[str, str], ...]
 
     @staticmethod
     def of(engine: Engine, call: BoundCall) -> _Prepared | None:
@@ -169,14 +170,18 @@ class _Prepared:
         prepared = engine.prepare(key)
         if prepared is None:
             return None
-        return _Prepared(prepared, tuple(call.inputs()), call.inout, tuple(call.output_targets))
+        outputs = tuple(call.output_targets)
+        inputs = [name for name in call.inputs() if name not in call.inout]
+        apart = [(a, b) for i, a in enumerate(outputs) for b in [*outputs[i + 1 :], *inputs]]
+        return _Prepared(prepared, outputs, tuple(apart))
 
     def __call__(self, client: LocalClient, arrays: Mapping[str, np.ndarray]) -> bool:
         """Runs the call on these arrays (the layout's: C-contiguous, each its own storage); False when
         it must run in full instead: its outputs overlap its inputs this time, or the backend changed."""
+        for a, b in self.apart:
+            if np.may_share_memory(arrays[a], arrays[b]):
+                return False
         destinations = {name: arrays[name] for name in self.outputs}
-        if not disjoint(destinations, [arrays[n] for n in self.inputs if n not in self.inout]):
-            return False
         return client.engine.run_prepared(self.run, arrays, destinations, client._call()) is not None
 
 
@@ -187,28 +192,27 @@ def _layout(op: str, params: Mapping[str, Any]) -> tuple[Hashable, dict[str, np.
     key: list[Hashable] = [op]
     for name, arg in params.items():
         kind = type(arg)
-        if kind in _PLAIN:
-            key.append((name, kind, _plain(arg)))
+        if kind in _PLAIN:  # a float by its bits (0.0 and -0.0 are different calls)
+            key.append((name, kind, arg.hex() if kind is float else arg))
         elif kind is list or kind is tuple:
-            if not all(type(v) in _PLAIN for v in arg):
+            kinds = tuple(map(type, arg))
+            if not _PLAIN.issuperset(kinds):
                 return None
-            key.append((name, kind, tuple((type(v), _plain(v)) for v in arg)))
+            values = tuple(v.hex() if type(v) is float else v for v in arg) if float in kinds else tuple(arg)
+            key.append((name, kind, kinds, values))
         else:
             try:
                 array = arg if kind is np.ndarray else torch_array(arg)
             except TypeError:
                 return None
-            if array is None or not array.flags.c_contiguous:
+            if array is None:
+                return None
+            flags = array.flags
+            if not flags.c_contiguous:
                 return None
             arrays[name] = array
-            flags = array.flags
             key.append((name, array.dtype, array.shape, array.strides, flags.writeable, flags.aligned))
     return tuple(key), arrays
 
 
 _PLAIN = frozenset({type(None), bool, int, float, str})
-
-
-def _plain(value: Any) -> Hashable:
-    """A plain value as the key holds it: a float by its bits (0.0 and -0.0 are different calls)."""
-    return value.hex() if type(value) is float else value

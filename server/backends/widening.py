@@ -22,11 +22,23 @@ def compute_in_range(operator: Operator, plan: Plan, args: dict[str, Any], compu
     """Runs `compute`; when it returns True, restores the in/out tensors (running statistics) and
     runs the operator's reference in fp64. NaN and Inf are results, not errors (SPEC 1.5): NumPy's
     warnings about them are silenced."""
-    inout = {name: args[name].copy() for name in plan.outputs.keys() & plan.inputs.keys()}
-    with np.errstate(all="ignore"):
-        if not compute():
-            return
-        for name, before in inout.items():
-            args[name][...] = before
-        with wide():
-            operator.compute(**args)
+    in_range(operator, plan, lambda _: compute())(args)
+
+
+def in_range(
+    operator: Operator, plan: Plan, compute: Callable[[dict[str, Any]], bool | None]
+) -> Callable[[dict[str, Any]], None]:
+    """`compute_in_range` for one plan, its in/out tensors found once (a prepared call's)."""
+    inout = tuple(plan.outputs.keys() & plan.inputs.keys())
+
+    def run(args: dict[str, Any]) -> None:
+        before = [(name, args[name].copy()) for name in inout]
+        with np.errstate(all="ignore"):
+            if not compute(args):
+                return
+            for name, values in before:
+                args[name][...] = values
+            with wide():
+                operator.compute(**args)
+
+    return run

@@ -18,6 +18,7 @@ only the workqueue layer, which aborts the process on concurrent use, calls run 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import threading
 import time
@@ -28,7 +29,7 @@ from typing import Any
 import numba
 
 from ...registry import Operator, Plan
-from ..widening import compute_in_range
+from ..widening import in_range
 
 log = logging.getLogger("aclnn_server")
 
@@ -161,29 +162,32 @@ class CpuBackend:
         self.prepare(operator, plan)(args)
 
     def prepare(self, operator: Operator, plan: Plan) -> Callable[[dict[str, Any]], None]:
-        """The compute of `plan`, its kernel chosen now: a repeated call's (Engine.prepare) skips the choice."""
+        """The compute of `plan`, its kernel chosen now: a repeated call's (Engine.prepare) skips the
+        choice, and the kernel module's own `prepare` (where it has one) what it derives from the layout."""
         module = self._kernel(operator, plan)
         if module is None:
-            return lambda args: compute_in_range(
-                operator, plan, args, lambda: operator.compute(**args)
-            )  # the reference
+            return in_range(operator, plan, lambda args: operator.compute(**args))  # the reference
+        prepare = getattr(module, "prepare", None)
+        kernel = prepare(plan) if prepare is not None else functools.partial(module.compute, plan)
         run = (
             self._one_thread if sum(t.numel for t in plan.inputs.values()) < SMALL_CALL_ELEMENTS else self._all_threads
         )
-        return lambda args: compute_in_range(operator, plan, args, lambda: run(module.compute, plan, args))
+        return in_range(operator, plan, functools.partial(run, kernel))
 
-    def _one_thread(self, compute: Callable[[Plan, dict[str, Any]], bool], plan: Plan, args: dict[str, Any]) -> bool:
+    def _one_thread(self, kernel: Callable[[dict[str, Any]], bool], args: dict[str, Any]) -> bool:
         """The kernel on this thread alone: whether a result left fp32's range."""
         # Waking the worker threads costs more than a small call; results do not depend on the
         # thread count, and Numba's setting is per calling thread.
         threads = numba.get_num_threads()
-        numba.set_num_threads(1)
+        if threads > 1:
+            numba.set_num_threads(1)
         try:
             with self._serial:
-                return compute(plan, args)
+                return kernel(args)
         finally:
-            numba.set_num_threads(threads)
+            if threads > 1:
+                numba.set_num_threads(threads)
 
-    def _all_threads(self, compute: Callable[[Plan, dict[str, Any]], bool], plan: Plan, args: dict[str, Any]) -> bool:
+    def _all_threads(self, kernel: Callable[[dict[str, Any]], bool], args: dict[str, Any]) -> bool:
         with self._serial:
-            return compute(plan, args)
+            return kernel(args)

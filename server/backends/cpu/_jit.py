@@ -235,7 +235,8 @@ class lazy_njit:
         )
 
     def run(self, *args: Any) -> Any:
-        return self.compiled()(*args)
+        # Built once; a small call must not pay for `compiled`'s lock and warning filter each time.
+        return (self.dispatcher or self.compiled())(*args)
 
 
 def compile_counts() -> tuple[int, int]:
@@ -387,16 +388,26 @@ def flat(a: np.ndarray) -> tuple[np.ndarray, tuple[int, ...]] | None:
     array (vectorized), any other row is gathered into a row buffer. None when a stride is
     negative or not a whole number of elements (the caller then copies or falls back).
     """
-    strides = element_strides(a)
-    if strides is None:
-        return None
     if a.flags.c_contiguous:  # the common case: a plain view (as_strided costs ~5 µs a call)
         base = a.reshape(-1)
         base.flags.writeable = False
-    else:
-        span = 1 + sum((d - 1) * s for d, s in zip(a.shape, strides)) if a.size else 0
-        base = np.lib.stride_tricks.as_strided(a, shape=(span,), strides=(a.dtype.itemsize,), writeable=False)
-    return base, strides
+        return base, contiguous_strides(a.shape)
+    strides = element_strides(a)
+    if strides is None:
+        return None
+    span = 1 + sum((d - 1) * s for d, s in zip(a.shape, strides)) if a.size else 0
+    return np.lib.stride_tricks.as_strided(a, shape=(span,), strides=(a.dtype.itemsize,), writeable=False), strides
+
+
+@functools.lru_cache(maxsize=1024)
+def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """`element_strides` of a C-contiguous array of `shape`: a function of the shape alone, cached (a
+    small call's layout repeats, and the generator costs more than its kernel's setup)."""
+    strides, step = [], 1
+    for d in reversed(shape):
+        strides.append(step if d > 1 else 0)
+        step *= d
+    return tuple(reversed(strides))
 
 
 def element_strides(a: np.ndarray) -> tuple[int, ...] | None:
@@ -415,6 +426,8 @@ def kernel_ready(a: np.ndarray, shape: tuple[int, ...]) -> np.ndarray | None:
     shape the strides cannot give, copies the array first — through a probe's made-up strides that
     read far outside its one element (the SIGSEGV in `_layout_ready`), and for real data a whole
     needless copy."""
+    if a.flags.c_contiguous:  # the common case: NumPy's own reshape is then a view (as_strided costs ~5 µs)
+        return a.reshape(shape) if a.size == math.prod(shape) else None
     strides = element_strides(a)
     merged = None if strides is None else merged_strides(a.shape, strides, shape)
     if merged is None:

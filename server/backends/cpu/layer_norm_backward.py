@@ -16,7 +16,6 @@ import numba
 import numpy as np
 from numba import prange, types
 
-from ...ops.rows import out_of_range
 from ...registry import Plan
 from ._jit import (
     F32,
@@ -54,7 +53,7 @@ def _signatures():
         for cout in STORAGE:
             base = array(cin, 1, True, "C")
             sigs.append(
-                types.void(
+                types.boolean(
                     base,  # gradOut's storage from its first element
                     types.UniTuple(types.int64, 2),  # its element strides
                     base,  # input's storage
@@ -72,6 +71,8 @@ def _signatures():
                     types.boolean,  # write gradInput
                     types.boolean,  # accumulate the column partials
                     array(np.bool_, 1, False, "C"),  # per block: a gradInput was not finite
+                    array(np.float64, 1, False, "C"),  # Σg per column, over the blocks in order [N]
+                    array(np.float64, 1, False, "C"),  # Σg·x̂ likewise
                 )
             )
     return sigs
@@ -79,7 +80,25 @@ def _signatures():
 
 @lazy_njit(_signatures)
 def rows_kernel(
-    gb, gs, xb, xs, kind, shape, mean, rstd, w, dx, out_kind, part_g, part_gx, rows, want_dx, want_cols, bad
+    gb,
+    gs,
+    xb,
+    xs,
+    kind,
+    shape,
+    mean,
+    rstd,
+    w,
+    dx,
+    out_kind,
+    part_g,
+    part_gx,
+    rows,
+    want_dx,
+    want_cols,
+    bad,
+    sum_g,
+    sum_gx,
 ):
     m, n = shape
     blocks = (m + rows - 1) // rows
@@ -125,6 +144,22 @@ def rows_kernel(
                     overflow |= nonfinite(v)
                     di[j] = narrow(v, di, out_kind)
         bad[blk] = overflow
+    # Then, on this thread: the column partials in fp64, block after block (as NumPy's
+    # sum(axis=0, dtype=float64) adds them), and whether anything was not finite.
+    trouble = False
+    for blk in range(blocks):
+        trouble |= bad[blk]
+    if want_cols:
+        for j in range(n):
+            sum_g[j] = part_g[0, j]
+            sum_gx[j] = part_gx[0, j]
+        for blk in range(1, blocks):
+            for j in range(n):
+                sum_g[j] += part_g[blk, j]
+                sum_gx[j] += part_gx[blk, j]
+        for j in range(n):
+            trouble |= nonfinite(sum_g[j]) | nonfinite(sum_gx[j])
+    return trouble
 
 
 def scratch_bytes(m: int, n: int, want_cols: bool = True) -> int:
@@ -139,7 +174,9 @@ def scratch_bytes(m: int, n: int, want_cols: bool = True) -> int:
 
 def compute_rows(g2, x2, mean, rstd, w, dx2, want_cols: bool) -> tuple[tuple[np.ndarray, np.ndarray] | None, bool]:
     """The fused kernel on [M, N] views; returns fp64 (Σ g, Σ g·x̂) per column (or None), and
-    whether a result was not finite (`nonfinite`, or the sums)."""
+    whether a result was not finite (`nonfinite`, or the sums). Everything after the rows (the
+    column sums, the checks) runs in the kernel too: NumPy's reductions on a cold cache cost a
+    small call more than its rows."""
     m, n = x2.shape
     gk, kind = kernel_view(g2)
     xk, _ = kernel_view(x2)
@@ -152,15 +189,13 @@ def compute_rows(g2, x2, mean, rstd, w, dx2, want_cols: bool) -> tuple[tuple[np.
     part_g = np.empty((blocks if want_cols else 1, n), np.float32)
     part_gx = np.empty_like(part_g)
     rows = block_rows(m)
-    bad = np.zeros(blocks, np.bool_)
-    rows_kernel.run(
+    bad = np.empty(blocks, np.bool_)
+    sums = (np.empty(n if want_cols else 0), np.empty(n if want_cols else 0))
+    trouble = rows_kernel.run(
         *(gb, gs, xb, xs, kind, (m, n), mean, rstd, w, dk, out_kind),
-        *(part_g, part_gx, rows, dx2 is not None, want_cols, bad),
+        *(part_g, part_gx, rows, dx2 is not None, want_cols, bad, *sums),
     )
-    if not want_cols:
-        return None, bool(bad.any())
-    sums = part_g.sum(axis=0, dtype=np.float64), part_gx.sum(axis=0, dtype=np.float64)
-    return sums, bool(bad.any()) or out_of_range(*sums)
+    return (sums if want_cols else None), trouble
 
 
 def rows_of(plan: Plan) -> tuple[int, int]:
@@ -187,10 +222,11 @@ def compute(plan: Plan, args: dict[str, Any]) -> bool:
     want_cols = dw is not None or db is not None
     trouble = False
     if m * n:
-        mu = args["mean"].reshape(-1).astype(np.float32)
-        rs = args["rstd"].reshape(-1).astype(np.float32)
+        # fp32 statistics as they are (the kernel only reads them), others widened
+        mu = np.ascontiguousarray(args["mean"].reshape(-1), np.float32)
+        rs = np.ascontiguousarray(args["rstd"].reshape(-1), np.float32)
         weight = args["weightOptional"]
-        w = np.ones(n, np.float32) if weight is None else weight.reshape(-1).astype(np.float32)
+        w = np.ones(n, np.float32) if weight is None else np.ascontiguousarray(weight.reshape(-1), np.float32)
         sums, trouble = compute_rows(g2, x2, mu, rs, w, None if dx is None else dx.reshape(m, n), want_cols)
     else:
         sums = (np.zeros(n), np.zeros(n))
