@@ -3,12 +3,13 @@
 
 from __future__ import annotations
 
+import numba
 import numpy as np
 import pytest
 import torch
 
 from aclnn_common.types import torch_array
-from aclnn_server.backends.cpu import _jit, kernel_modules
+from aclnn_server.backends.cpu import _jit, kernel_modules, thread_count_access
 
 
 @pytest.mark.parametrize(
@@ -72,3 +73,15 @@ def test_torch_tensors_are_seen_in_place_or_refused_as_before():
         torch_array(torch.ones(2, dtype=torch.complex64).conj())
     with pytest.raises(TypeError, match=r"torch tensor torch.bfloat16\[2\] has no NumPy view"):
         torch_array(torch.ones(2, dtype=torch.bfloat16).to_sparse())
+
+
+def test_the_thread_count_is_read_and_set_as_numbas_own_functions_do():
+    get, set_ = thread_count_access()
+    threads = numba.get_num_threads()
+    assert get() == threads
+    set_(1)
+    try:
+        assert numba.get_num_threads() == 1 == get()
+    finally:
+        set_(threads)
+    assert numba.get_num_threads() == threads

@@ -129,6 +129,20 @@ def checked_threading_layer() -> str:
     return layer
 
 
+def thread_count_access() -> tuple[Callable[[], int], Callable[[int], None]]:
+    """Get and set Numba's thread count for the calling thread, once its pool is up: the functions its
+    public get_num_threads/set_num_threads call after taking two locks, one of them process-wide (a
+    multiprocessing lock: system calls, ~10 µs of a small call's three). The public ones where this
+    Numba lacks them."""
+    from numba.np.ufunc import parallel
+
+    numba.get_num_threads()  # starts the pool, which binds them
+    get, set_ = getattr(parallel, "_get_num_threads", None), getattr(parallel, "_set_num_threads", None)
+    if not (callable(get) and callable(set_)):
+        return numba.get_num_threads, numba.set_num_threads
+    return get, set_
+
+
 class CpuBackend:
     name = "cpu"
 
@@ -138,6 +152,7 @@ class CpuBackend:
         warm_up()
         self.threading_layer = checked_threading_layer()
         self._serial = contextlib.nullcontext() if self.threading_layer in SAFE_LAYERS else threading.Lock()
+        self._get_threads, self._set_threads = thread_count_access()
 
     def _kernel(self, operator: Operator, plan: Plan) -> ModuleType | None:
         module = self.kernels.get(operator.name)
@@ -178,15 +193,15 @@ class CpuBackend:
         """The kernel on this thread alone: whether a result left fp32's range."""
         # Waking the worker threads costs more than a small call; results do not depend on the
         # thread count, and Numba's setting is per calling thread.
-        threads = numba.get_num_threads()
+        threads = self._get_threads()
         if threads > 1:
-            numba.set_num_threads(1)
+            self._set_threads(1)
         try:
             with self._serial:
                 return kernel(args)
         finally:
             if threads > 1:
-                numba.set_num_threads(threads)
+                self._set_threads(threads)
 
     def _all_threads(self, kernel: Callable[[dict[str, Any]], bool], args: dict[str, Any]) -> bool:
         with self._serial:
