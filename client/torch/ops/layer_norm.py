@@ -20,8 +20,9 @@ from .eager import compiling, eager_function
 def _layer_norm_forward(
     input: Tensor, normalized_shape: list[int], weight: Tensor | None, bias: Tensor | None, eps: float, client: int
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """aten's native_layer_norm: (output, mean, rstd); `client` is for the backward."""
-    return torch.ops.aten.native_layer_norm(input, normalized_shape, weight, bias, eps)
+    """aten's native_layer_norm: (output, mean, rstd); `client` is for the backward. (torch's own
+    binding of the op, not torch.ops.aten's: the same kernel without a Python frame per call.)"""
+    return torch.native_layer_norm(input, normalized_shape, weight, bias, eps)
 
 
 _layer_norm_op = torch.library.custom_op("aclnn::layer_norm", _layer_norm_forward, mutates_args=())
