@@ -86,6 +86,17 @@ class Staging:
         self.attachments: Attachments | None = None
 
     @property
+    def all_attached(self) -> bool:
+        """Whether every tensor and result of the call travels raw beside its messages (a data channel's)."""
+        return self.attachments is not None and self.stateless and not self.reservation
+
+    def attach(self, views: Mapping[str, memoryview]) -> None:
+        """Attaches the inputs' bytes in order, as `inputs` does when all of them travel attached."""
+        self.attachments = Attachments()
+        for view in views.values():
+            self.attachments.add(view)
+
+    @property
     def stateless(self) -> bool:
         """Whether the call uses or makes no state on a server (then any backend may take it)."""
         return not (self.handles or self.regions or self.kept)
