@@ -286,6 +286,15 @@ class AclnnService:
         """The bytes a StorageRef names: an uploaded tensor, a slice of a shared-memory region, device
         memory, or a slice of the request's attached part (a copy when `kept` beyond the request)."""
         kind = ref.WhichOneof("kind")
+        if kind == "attached":  # first: every small call's tensors are
+            part, r = call.attachment, ref.attached
+            check(part is not None, "ref", "attached bytes come only with a data-channel call that attaches them")
+            start, end = r.offset, r.offset + r.size
+            if end > part.nbytes:  # the message is formatted only for a refusal
+                raise invalid_error(
+                    "ref", f"attached range {start}+{r.size} lies outside the {part.nbytes} bytes attached"
+                )
+            return bytes(part[start:end]) if kept else part[start:end]
         if kind == "handle":
             return self.storage.handle(call.session, call.owner, ref.handle)
         if kind == "region":
@@ -293,16 +302,6 @@ class AclnnService:
             return self.storage.region_slice(call.session, call.owner, r.region, r.offset, r.size)
         if kind == "device":
             return self._device(ref.device, call, "buffer")
-        if kind == "attached":
-            part, r = call.attachment, ref.attached
-            check(part is not None, "ref", "attached bytes come only with a data-channel call that attaches them")
-            check(
-                r.offset + r.size <= part.nbytes,
-                "ref",
-                f"attached range {r.offset}+{r.size} lies outside the {part.nbytes} bytes attached",
-            )
-            data = part[r.offset : r.offset + r.size]
-            return bytes(data) if kept else data
         raise invalid_error("ref", "names neither a tensor handle, a region, a device buffer nor attached bytes")
 
     def _place(
@@ -310,12 +309,16 @@ class AclnnService:
     ) -> dict[str, pb.OutputTensor]:
         """Results inline, kept on the server, or written into regions: all checked before any is written."""
         targets: dict[str, memoryview] = {}
+        attached: set[str] = set()  # read once: each look-up in a protobuf map costs ~1 us
         for name, placement in placements.items():
             if name not in outputs:
                 continue  # a masked-off output: nothing to place
-            if placement.WhichOneof("kind") == "attached":
+            kind = placement.WhichOneof("kind")
+            if kind == "attached":
                 check(call.attachment is not None, name, "attached results come only with a data-channel call")
-            elif placement.WhichOneof("kind") == "region":
+                if placement.attached:
+                    attached.add(name)
+            elif kind == "region":
                 r = placement.region
                 check(
                     r.size == outputs[name].nbytes,
@@ -327,7 +330,7 @@ class AclnnService:
         attached_end = 0
         for name, array in outputs.items():
             flat = array.reshape(-1).view(np.uint8)
-            if name in placements and placements[name].attached:  # sent raw after the reply by the transport
+            if name in attached:  # sent raw after the reply by the transport
                 offset = aligned(attached_end)
                 attached_end = offset + flat.nbytes
                 call.attached_results.append((offset, memoryview(flat)))
