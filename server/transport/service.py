@@ -35,7 +35,7 @@ from ..metrics import Metrics
 from ..params import check
 from ..regions import RegionOffer, map_region
 from ..storage import Storage
-from .wire import decode_params, output_tensor
+from .wire import decode_call, output_tensor
 
 log = logging.getLogger("aclnn_server")
 
@@ -213,7 +213,7 @@ class AclnnService:
     def GetWorkspaceSize(self, request: pb.OpCall, call: CallContext) -> pb.WorkspacePlan:
         self.storage.touch(call.session, call.owner, create=True)  # the executor lives in the session
         # The executor keeps its bytes: attached ones are copied out of the request (and held with it).
-        values = decode_params(request.params, lambda ref: self._stored(ref, call, kept=True))
+        values = decode_call(request, lambda ref: self._stored(ref, call, kept=True))
         size, executor = self.engine.get_workspace_size(request.op, values, call)
         return pb.WorkspacePlan(workspace_size=size, executor=executor)
 
@@ -227,7 +227,7 @@ class AclnnService:
 
     def Run(self, request: pb.OpCall, call: CallContext) -> pb.RunResponse:
         self._take_reservation(request.reservation, call)
-        values = decode_params(request.params, lambda ref: self._stored(ref, call))
+        values = decode_call(request, lambda ref: self._stored(ref, call))
         placed(request.placements, call)
         size, outputs = self.engine.run(request.op, values, call)
         return pb.RunResponse(workspace_size=size, outputs=self._place(outputs, request.placements, call))
@@ -237,7 +237,7 @@ class AclnnService:
         self.storage.touch(call.session, call.owner, create=True)
         if request.HasField("run"):
             placed(request.run.placements, call)
-            values = decode_params(request.run.params, lambda ref: None)  # descriptors are enough to plan
+            values = decode_call(request.run, lambda ref: None)  # descriptors are enough to plan
             holds, sizes = self.engine.reserve(call, request.uploads, request.run.op, values)
         else:
             placed(request.execute.placements, call)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -32,32 +33,81 @@ def decode_tensor(message: pb.Tensor, resolve: StorageResolver) -> Tensor:
     )
 
 
-# A Value encoded in at most this many bytes, and no tensor's bytes, is decoded once and looked up by its
-# encoding after that: a training loop sends the same descriptors (and attached ranges) call after call,
-# and reading a tensor's fields out of protobuf costs ~5 us. Others (inline bytes, long arrays) are
-# decoded each time, so the cache never holds a caller's tensor bytes.
+# Small Values, and small calls whose tensors carry no bytes inline, are decoded once and looked up by
+# their encoding after that: a training loop sends the same descriptors (and attached ranges) call after
+# call, and reading a tensor's fields out of protobuf costs ~5 us. Only each tensor's storage is resolved
+# per call. Others (inline bytes, long arrays) are decoded each time: the caches never hold a caller's
+# tensor bytes, and at most _VALUES_KEPT x 256 B + _CALLS_KEPT x 2 KiB of encodings.
 _CACHED_VALUE_BYTES = 256
+_VALUES_KEPT = 1024
+_CACHED_CALL_BYTES = 2048
+_CALLS_KEPT = 256
+_Layout = tuple[tuple[str, Value, pb.StorageRef | None], ...]  # name, value (storage aside), its StorageRef
+_calls: dict[bytes, _Layout] = {}
+_calls_lock = threading.Lock()
+
+
+def decode_call(request: pb.OpCall, resolve: StorageResolver) -> dict[str, Value]:
+    """A call's parameter values (as decode_params), from its layout when it was decoded before."""
+    if request.ByteSize() > _CACHED_CALL_BYTES:
+        return decode_params(request.params, resolve)
+    encoded = request.SerializeToString()
+    layout = _calls.get(encoded)
+    if layout is None:
+        layout = _layout(request.params)
+        if layout is None:  # tensor bytes inline
+            return decode_params(request.params, resolve)
+        with _calls_lock:
+            if len(_calls) >= _CALLS_KEPT:
+                del _calls[next(iter(_calls))]  # the oldest
+            _calls[encoded] = layout
+    return {name: value if ref is None else _stored(value, resolve(ref)) for name, value, ref in layout}
+
+
+def _layout(params: Mapping[str, pb.Value]) -> _Layout | None:
+    """The call's values decoded with their storage aside; None when a tensor carries its bytes inline."""
+    layout = []
+    for name, message in params.items():
+        parts = _parts(message)
+        if parts is None:
+            return None
+        layout.append((name, *parts))
+    return tuple(layout)
 
 
 def decode_value(message: pb.Value, resolve: StorageResolver) -> Value:
     """A parameter value; a Value with no kind set is an explicit null pointer."""
-    inline = message.WhichOneof("kind") == "tensor" and message.tensor.HasField("data")
-    if not inline and message.ByteSize() <= _CACHED_VALUE_BYTES:
-        value, ref = _decoded(message.SerializeToString())
-        if ref is None:
-            return value
-        return Tensor(value.view_dims, value.data_type, value.strides, value.offset, value.format,
-                      value.storage_dims, resolve(ref))  # fmt: skip
-    return _decode_value(message, resolve)
+    parts = _parts(message)
+    if parts is None:
+        return _decode_value(message, resolve)
+    value, ref = parts
+    return value if ref is None else _stored(value, resolve(ref))
 
 
-@functools.lru_cache(maxsize=4096)
+def _parts(message: pb.Value) -> tuple[Value, pb.StorageRef | None] | None:
+    """A Value decoded with its storage aside (decoded once when small), and the StorageRef of that
+    storage (None: no storage); None when it is a tensor with its bytes inline."""
+    if message.WhichOneof("kind") == "tensor" and message.tensor.HasField("data"):
+        return None
+    if message.ByteSize() <= _CACHED_VALUE_BYTES:
+        return _decoded(message.SerializeToString())
+    return _without_storage(message)
+
+
+@functools.lru_cache(maxsize=_VALUES_KEPT)
 def _decoded(encoded: bytes) -> tuple[Value, pb.StorageRef | None]:
-    """A small Value decoded, with the reference its bytes are resolved through per call (None: no bytes
-    to resolve). Only immutable values are cached; the StorageRef is never handed out to be changed."""
-    message = pb.Value.FromString(encoded)
+    """Only immutable values are cached; a StorageRef is only ever read."""
+    return _without_storage(pb.Value.FromString(encoded))
+
+
+def _without_storage(message: pb.Value) -> tuple[Value, pb.StorageRef | None]:
     ref = message.tensor.ref if message.WhichOneof("kind") == "tensor" and message.tensor.HasField("ref") else None
     return _decode_value(message, lambda _: None), ref
+
+
+def _stored(tensor: Tensor, data: Any) -> Tensor:
+    return Tensor(tensor.view_dims, tensor.data_type, tensor.strides, tensor.offset, tensor.format,
+                  tensor.storage_dims, data)  # fmt: skip
 
 
 def _decode_value(message: pb.Value, resolve: StorageResolver) -> Value:
