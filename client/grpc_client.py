@@ -145,6 +145,7 @@ class Client(BaseClient):
         # Run requests whose tensors all travel attached, by layout: the same layout encodes to the same
         # message (descriptors, attached ranges, placements), so it is built once (~60 us of Python).
         self._layouts: dict[tuple, pb.OpCall] = {}
+        self._layouts_lock = threading.Lock()
         self._device_home: int | None = None  # the backend holding this client's device memory
 
     def close(self) -> None:
@@ -394,9 +395,10 @@ class Client(BaseClient):
     def _remember_layout(self, layout: tuple, request: pb.OpCall) -> None:
         known = pb.OpCall()
         known.CopyFrom(request)
-        if len(self._layouts) >= _LAYOUTS:
-            self._layouts.pop(next(iter(self._layouts), None), None)  # the oldest
-        self._layouts[layout] = known
+        with self._layouts_lock:
+            if len(self._layouts) >= _LAYOUTS:
+                del self._layouts[next(iter(self._layouts))]  # the oldest
+            self._layouts[layout] = known
 
     def _regions_kept(self, attempt: Callable[[], None]) -> None:
         """Runs a call; when a server lost this session's regions (it restarted, or the lease lapsed),
