@@ -100,3 +100,16 @@ def test_the_server_never_caches_tensor_bytes_sent_inline(rng):
     assert call.SerializeToString() not in wire._calls
     assert not any(call.params["gradOut"].tensor.data in key for key in wire._calls)
     assert wire._parts(call.params["gradOut"]) is None  # nor as a Value
+
+
+def test_calls_naming_uploads_are_decoded_each_time_not_kept(rng):
+    """A handle or a reservation is made for one call: keeping its layout would only push others out."""
+    call = _attached_call(rng)
+    call.params["gradOut"].tensor.ref.handle = "h-1"
+    values = wire.decode_call(call, lambda ref: ("bytes", ref.WhichOneof("kind")))
+    assert values["gradOut"].data == ("bytes", "handle")
+    assert call.SerializeToString() not in wire._calls
+    call = _attached_call(rng)
+    call.reservation = "r-1"
+    wire.decode_call(call, lambda ref: None)
+    assert call.SerializeToString() not in wire._calls

@@ -49,27 +49,28 @@ _calls_lock = threading.Lock()
 
 def decode_call(request: pb.OpCall, resolve: StorageResolver) -> dict[str, Value]:
     """A call's parameter values (as decode_params), from its layout when it was decoded before."""
-    if request.ByteSize() > _CACHED_CALL_BYTES:
+    if request.reservation or request.ByteSize() > _CACHED_CALL_BYTES:  # uploads: names made for this call
         return decode_params(request.params, resolve)
     encoded = request.SerializeToString()
     layout = _calls.get(encoded)
     if layout is None:
         layout = _layout(request.params)
-        if layout is None:  # tensor bytes inline
+        if layout is None:  # tensor bytes inline, or a handle
             return decode_params(request.params, resolve)
         with _calls_lock:
             if len(_calls) >= _CALLS_KEPT:
                 del _calls[next(iter(_calls))]  # the oldest
             _calls[encoded] = layout
-    return {name: value if ref is None else _stored(value, resolve(ref)) for name, value, ref in layout}
+    return {name: value if ref is None else _with_storage(value, resolve(ref)) for name, value, ref in layout}
 
 
 def _layout(params: Mapping[str, pb.Value]) -> _Layout | None:
-    """The call's values decoded with their storage aside; None when a tensor carries its bytes inline."""
+    """The call's values decoded with their storage aside; None when a tensor carries its bytes inline,
+    or names an upload or a kept result (a handle, made for one call: its layout would not repeat)."""
     layout = []
     for name, message in params.items():
         parts = _parts(message)
-        if parts is None:
+        if parts is None or (parts[1] is not None and parts[1].WhichOneof("kind") == "handle"):
             return None
         layout.append((name, *parts))
     return tuple(layout)
@@ -81,7 +82,7 @@ def decode_value(message: pb.Value, resolve: StorageResolver) -> Value:
     if parts is None:
         return _decode_value(message, resolve)
     value, ref = parts
-    return value if ref is None else _stored(value, resolve(ref))
+    return value if ref is None else _with_storage(value, resolve(ref))
 
 
 def _parts(message: pb.Value) -> tuple[Value, pb.StorageRef | None] | None:
@@ -105,7 +106,7 @@ def _without_storage(message: pb.Value) -> tuple[Value, pb.StorageRef | None]:
     return _decode_value(message, lambda _: None), ref
 
 
-def _stored(tensor: Tensor, data: Any) -> Tensor:
+def _with_storage(tensor: Tensor, data: Any) -> Tensor:
     return Tensor(tensor.view_dims, tensor.data_type, tensor.strides, tensor.offset, tensor.format,
                   tensor.storage_dims, data)  # fmt: skip
 
