@@ -102,7 +102,10 @@ def _decoded(encoded: bytes) -> tuple[Value, pb.StorageRef | None]:
 
 
 def _without_storage(message: pb.Value) -> tuple[Value, pb.StorageRef | None]:
-    ref = message.tensor.ref if message.WhichOneof("kind") == "tensor" and message.tensor.HasField("ref") else None
+    ref = None
+    if message.WhichOneof("kind") == "tensor" and message.tensor.HasField("ref"):
+        ref = pb.StorageRef()
+        ref.CopyFrom(message.tensor.ref)  # its own: a kept layout holds nothing of the request it came in
     return _decode_value(message, lambda _: None), ref
 
 
