@@ -309,8 +309,12 @@ def main() -> int:
             )
             print(f"\nTransport size sweep: {title}\n")
             print(sweep_table(results))
-            sweep_plot(results, args.plot, title)
-            print(f"\nplot: {args.plot}")
+            try:
+                sweep_plot(results, args.plot, title)
+            except ImportError:
+                print("\nno plot: it needs matplotlib (pip install -e '.[bench]')")
+            else:
+                print(f"\nplot: {args.plot}")
             return 0
         # Large call: end to end, inputs up and all three outputs back.
         inputs = make_inputs(large_rows, 4096)
