@@ -49,19 +49,27 @@ _calls_lock = threading.Lock()
 
 def decode_call(request: pb.OpCall, resolve: StorageResolver) -> dict[str, Value]:
     """A call's parameter values (as decode_params), from its layout when it was decoded before."""
+    # Tested first, before ByteSize serializes the message to measure it: inline bytes can be megabytes.
+    if _carries_bytes(request.params):
+        return decode_params(request.params, resolve)
     if request.reservation or request.ByteSize() > _CACHED_CALL_BYTES:  # uploads: names made for this call
         return decode_params(request.params, resolve)
     encoded = request.SerializeToString()
     layout = _calls.get(encoded)
     if layout is None:
         layout = _layout(request.params)
-        if layout is None:  # tensor bytes inline, or a handle
+        if layout is None:  # a handle
             return decode_params(request.params, resolve)
         with _calls_lock:
             if len(_calls) >= _CALLS_KEPT:
                 del _calls[next(iter(_calls))]  # the oldest
             _calls[encoded] = layout
     return {name: value if ref is None else _with_storage(value, resolve(ref)) for name, value, ref in layout}
+
+
+def _carries_bytes(params: Mapping[str, pb.Value]) -> bool:
+    """Whether a tensor of the call carries its bytes inline (never kept: see above)."""
+    return any(m.WhichOneof("kind") == "tensor" and m.tensor.HasField("data") for m in params.values())
 
 
 def _layout(params: Mapping[str, pb.Value]) -> _Layout | None:
