@@ -22,7 +22,7 @@ import pytest
 from certs import make_certificates
 from layer_norm_cases import layer_norm_call
 from test_attachments import attached_call, attached_inputs, attached_reply, exchange
-from test_data_channel import OP, OUTPUTS, check, connect, error_of, reply, request, ticket
+from test_data_channel import OP, OUTPUTS, answers_keepalive, check, connect, error_of, reply, request, ticket
 from test_mailbox import closed_by_server, mailbox_maps, pass_mailbox
 from test_processes import broadcast_call
 from test_shared_memory import memfd, refused, register, unix_connect
@@ -72,9 +72,7 @@ def test_a_memfd_open_to_new_seals_is_refused_as_mailbox_or_region(serve):
             answer = pass_mailbox(sock, fd, MIB) if kind == "mailbox" else register(sock, [fd], MIB)
             refused(answer, "F_SEAL_SEAL")
             os.close(fd)
-        keepalive = b"\x09KeepAlive"
-        sock.sendall(request(CALL, len(keepalive)) + keepalive)
-        assert reply(sock) == (True, b"")
+        assert answers_keepalive(sock)
     wait_for(lambda: served.engine.ledger.held == 0)
 
 
@@ -113,9 +111,7 @@ def test_a_mailbox_call_too_short_for_its_own_header_is_answered_in_step(serve):
             sock.sendall(request(CALL | ATTACHED | IN_MAILBOX, len(payload)))
             ok, _ = reply(sock)
             assert not ok, payload
-        keepalive = b"\x09KeepAlive"
-        sock.sendall(request(CALL, len(keepalive)) + keepalive)
-        assert reply(sock) == (True, b"")
+        assert answers_keepalive(sock)
     os.close(fd)
 
 
@@ -362,9 +358,7 @@ def test_attached_inputs_rewritten_and_punched_while_computed_affect_only_their_
             stop.set()
             for future in running:
                 future.result(timeout=60)
-        keepalive = b"\x09KeepAlive"
-        sock.sendall(request(CALL, len(keepalive)) + keepalive)
-        assert reply(sock) == (True, b"")
+        assert answers_keepalive(sock)
     os.close(fd)
     wait_for(lambda: served.engine.ledger.held == 0)
 

@@ -58,6 +58,15 @@ def request(kind: int, length: int, stream: int | None = None) -> bytes:
     return REQUEST.pack(kind, stream is not None, stream or 0, 0, length)
 
 
+KEEPALIVE = b"\x09KeepAlive"  # a CALL payload: the method's name and no message
+
+
+def answers_keepalive(sock: socket.socket) -> bool:
+    """Whether the connection still serves in step: a KeepAlive call is answered with success."""
+    sock.sendall(request(CALL, len(KEEPALIVE)) + KEEPALIVE)
+    return reply(sock) == (True, b"")
+
+
 def test_client_calls_go_over_the_data_channel(serve, rng):
     served = serve()
     p = layer_norm_call(rng, (8, 64))
@@ -183,9 +192,7 @@ def test_bad_calls_are_answered_and_the_connection_survives(serve, payload, code
         sock.sendall(request(CALL, len(payload)) + payload)
         ok, answer = reply(sock)
         assert not ok and error_of(answer).grpc_code == code
-        keepalive = b"\x09KeepAlive"
-        sock.sendall(request(CALL, len(keepalive)) + keepalive)
-        assert reply(sock) == (True, b"")
+        assert answers_keepalive(sock)
 
 
 def test_protocol_violations_close_the_connection(serve):

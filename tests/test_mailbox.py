@@ -12,7 +12,7 @@ import grpc
 import numpy as np
 import pytest
 from layer_norm_cases import layer_norm_call
-from test_data_channel import error_of, reply, request, ticket
+from test_data_channel import KEEPALIVE, error_of, reply, request, ticket
 from test_processes import broadcast_call
 from test_shared_memory import (
     OP,
@@ -255,8 +255,7 @@ def test_mailbox_requests_are_framed_like_any_other(serve):
         fd = memfd(MIB)
         assert pass_mailbox(sock, fd, MIB) == (True, b"")
         os.close(fd)
-        keepalive = b"\x09KeepAlive"
-        sock.sendall(request(CALL | IN_MAILBOX, len(keepalive)) + keepalive)
+        sock.sendall(request(CALL | IN_MAILBOX, len(KEEPALIVE)) + KEEPALIVE)
         assert closed_by_server(sock)
     with Client(served.address) as c:
         c.list_operators()

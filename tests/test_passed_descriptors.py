@@ -15,7 +15,7 @@ import grpc
 import numpy as np
 import pytest
 from layer_norm_cases import layer_norm_call
-from test_data_channel import reply, request, ticket
+from test_data_channel import answers_keepalive, ticket
 from test_shared_memory import SEALS, check, refused, register, unix_connect
 from test_transport import wait_for
 from users import NOBODY, needs_root, start_as_user
@@ -177,9 +177,7 @@ def test_without_passrights_uninvited_descriptors_are_closed_off_the_loop(serve,
                 os.close(w)
                 assert sock.recv(1) == b""  # closed by the server
         wait_for(lambda: descriptors_of(pid) <= before)
-        keepalive = b"\x09KeepAlive"
-        warm.sendall(request(1, len(keepalive)) + keepalive)
-        assert reply(warm) == (True, b"")
+        assert answers_keepalive(warm)
 
 
 def _memfd(size: int = 4096) -> int:

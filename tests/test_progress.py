@@ -12,7 +12,7 @@ import grpc
 import numpy as np
 import pytest
 from layer_norm_cases import layer_norm_call
-from test_data_channel import connect, reply, request, ticket
+from test_data_channel import answers_keepalive, connect, reply, request, ticket
 from test_data_channel_abuse import closed_by_server
 from test_shared_memory import start_server
 from test_tenants import metadata, op_call
@@ -22,7 +22,7 @@ from aclnn_client import Client
 from aclnn_common._proto import aclnn_pb2 as pb
 from aclnn_common._proto import aclnn_pb2_grpc as pb_grpc
 from aclnn_common.chunks import to_chunks
-from aclnn_common.framing import CALL, DOWNLOAD, MAGIC, UPLOAD
+from aclnn_common.framing import DOWNLOAD, MAGIC, UPLOAD
 
 MIB = 1 << 20
 
@@ -81,11 +81,9 @@ def test_a_reply_nobody_reads_is_cut_off_at_its_pace(serve, rng):
         wait_for(lambda: served.server.data_channel.open_connections == 0, timeout=15)  # closed by the server
         elapsed = time.monotonic() - started
     assert elapsed < 10.0  # not the old 5 s + 16 s allowance for its size
-    keepalive = b"\x09KeepAlive"
     with connect(offer) as sock:  # the server is in step for others
         assert reply(sock)[0]
-        sock.sendall(request(CALL, len(keepalive)) + keepalive)
-        assert reply(sock) == (True, b"")
+        assert answers_keepalive(sock)
 
 
 def test_a_quiet_grpc_upload_is_cancelled_once_behind_the_pace(serve):

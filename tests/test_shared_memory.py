@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from layer_norm_cases import layer_norm_call, layer_norm_reference
 from oracle import Untouched, assert_close
-from test_data_channel import error_of, reply, request, ticket
+from test_data_channel import answers_keepalive, error_of, reply, request, ticket
 from test_processes import broadcast_call
 from test_transport import wait_for
 
@@ -27,7 +27,7 @@ import aclnn_client.grpc_client
 from aclnn_client import AclnnError, Client
 from aclnn_common._proto import aclnn_pb2 as pb
 from aclnn_common._proto import aclnn_pb2_grpc as pb_grpc
-from aclnn_common.framing import CALL, MAGIC, REGION, REGISTER_REGION, REQUEST, UNREGISTER_REGION
+from aclnn_common.framing import MAGIC, REGION, REGISTER_REGION, REQUEST, UNREGISTER_REGION
 
 OP = "aclnnLayerNormBackward"
 OUTPUTS = ("gradInputOut", "gradWeightOut", "gradBiasOut")
@@ -142,9 +142,7 @@ def test_regions_cannot_be_truncated_and_bad_ones_are_refused(server_process, rn
                     refused(register(sock, [f.fileno()], 4096), "not a memfd")
         finally:
             os.unlink(shm)
-        keepalive = b"\x09KeepAlive"
-        sock.sendall(request(CALL, len(keepalive)) + keepalive)  # still in step after every refusal
-        assert reply(sock) == (True, b"")
+        assert answers_keepalive(sock)  # still in step after every refusal
     with grpc.insecure_channel(address) as channel:  # the registration by name is gone from the API
         by_name = channel.unary_unary("/aclnn.v1.Aclnn/RegisterRegion")
         with pytest.raises(grpc.RpcError) as raised:
