@@ -230,17 +230,24 @@ def test_accept_loop_survives_running_out_of_descriptors(tmp_path, rng):
     log = tmp_path / "server.log"
     limit = 64
 
-    def few_descriptors() -> None:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))
-
+    # The limit is set by a process of its own that then becomes the server (exec), not by a preexec_fn:
+    # Python code in a fork of this many-threaded test process is not safe (CI once saw the server die
+    # before its first line).
+    few_descriptors = (
+        "import os, resource, sys; resource.setrlimit(resource.RLIMIT_NOFILE, (int(sys.argv[1]),) * 2); "
+        "os.execv(sys.executable, [sys.executable, '-m', 'aclnn_server', *sys.argv[2:]])"
+    )
     with open(log, "w") as stderr:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "aclnn_server", "--port", "0", "--backend", "numpy", "--log-level", "WARNING",
-             "--data-max-handshakes", "1000", "--data-handshake-timeout-s", "60", "--unix-socket", "off"],
-            stdout=subprocess.PIPE, stderr=stderr, text=True, preexec_fn=few_descriptors,
+            [sys.executable, "-c", few_descriptors, str(limit), "--port", "0", "--backend", "numpy", "--log-level",
+             "WARNING", "--data-max-handshakes", "1000", "--data-handshake-timeout-s", "60", "--unix-socket", "off"],
+            stdout=subprocess.PIPE, stderr=stderr, text=True,
         )  # fmt: skip
     try:
-        address = re.fullmatch(r"listening on (\S+)\n", proc.stdout.readline())[1]
+        line = proc.stdout.readline()
+        listening = re.fullmatch(r"listening on (\S+)\n", line)
+        assert listening, f"first line {line!r}, exit {proc.poll()}, log: {log.read_text()[-2000:]}"
+        address = listening[1]
         port = ticket(address).port
         used = len(os.listdir(f"/proc/{proc.pid}/fd"))
         assert used < limit - 8, f"the server uses {used} descriptors at rest"
