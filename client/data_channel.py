@@ -30,6 +30,7 @@ from aclnn_common.framing import (
     ATTACHED,
     CALL,
     DOWNLOAD,
+    HELD_MAILBOX_BYTES,
     IN_MAILBOX,
     MAGIC,
     MAILBOX,
@@ -361,7 +362,8 @@ class DataChannel:
             return conn.mailbox
         if size > MAILBOX_MAX_BYTES or conn.mailbox_refused:
             return None
-        mailbox = Region(max(_MAILBOX_START_BYTES, 1 << (size - 1).bit_length()), "aclnn-mailbox")
+        size = max(_MAILBOX_START_BYTES, 1 << (size - 1).bit_length())
+        mailbox = Region(size, "aclnn-mailbox", holeless=size > HELD_MAILBOX_BYTES)
         try:
             self._pass_memfd(conn.sock, MAILBOX, mailbox.fd, mailbox.size, timeout)
         except AclnnError:  # a server that takes no mailbox, or not one this large

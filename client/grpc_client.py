@@ -20,6 +20,7 @@ from aclnn_common.binding import BoundCall
 from aclnn_common.chunks import byte_view, receive_into, to_chunks, write_chunks
 from aclnn_common.device import DeviceBuffer
 from aclnn_common.errors import AclnnError
+from aclnn_common.framing import MAILBOX_MAX_BYTES
 from aclnn_common.framing import METHODS as DATA_CHANNEL_METHODS
 from aclnn_common.tensor import Tensor, Value
 from aclnn_common.types import numpy_dtype
@@ -54,9 +55,13 @@ _KEEPALIVE_S = 10.0
 _SERVICE_CONFIG = '{"loadBalancingConfig": [{"round_robin": {}}]}'
 # The default inline limits (max_inline_bytes None). Over gRPC a message's cost grows faster than its
 # size (protobuf copies, and upb's serializer beyond a few MiB): streaming took less from 512 KiB-1 MiB
-# tensors on (bench/transport.py --sweep). The data channel sends inline tensors raw, without that cost.
-DATA_CHANNEL_INLINE_BYTES = 4 << 20
+# tensors on (bench/transport.py --sweep). The data channel sends inline tensors raw, without that cost;
+# over its Unix socket a call's tensors travel in its connection's mailbox, where the server reads them
+# without a copy: larger ones stay inline there (up to MAX_MAILBOX_ATTACHED_BYTES in all).
+UNIX_INLINE_BYTES = 16 << 20
+TCP_INLINE_BYTES = 4 << 20
 GRPC_INLINE_BYTES = 512 << 10
+MAX_MAILBOX_ATTACHED_BYTES = MAILBOX_MAX_BYTES - (1 << 20)  # room for the call's message
 # Run requests kept per client, by layout (see _layout_key): a training loop repeats a few layouts.
 _LAYOUTS = 256
 
@@ -78,8 +83,10 @@ class Client(BaseClient):
     ValueError unless `allow_plaintext_token=True`. `timeout` is each RPC's deadline in seconds.
 
     Tensors larger than `max_inline_bytes` are streamed in chunks and referenced by handle,
-    so they may exceed gRPC's message limits (2 GiB included); by default 4 MiB over the data
-    channel, where inline tensors travel raw beside the call, and GRPC_INLINE_BYTES over gRPC,
+    so they may exceed gRPC's message limits (2 GiB included); by default 16 MiB over the data
+    channel's Unix socket (in all at most MAX_MAILBOX_ATTACHED_BYTES: the largest go as uploads
+    beyond it) and 4 MiB over its TCP, where inline tensors travel raw beside the call (on the
+    Unix socket in a mailbox the server reads them from), and GRPC_INLINE_BYTES over gRPC,
     whose messages cost more per byte than streaming beyond that. With `data_channel=True` (the
     default), calls and tensor bytes go over the server's data channel, which moves bytes
     without protobuf copies: its Unix socket when the server runs on this host (a loopback
@@ -696,15 +703,26 @@ class _Transfers:
         self.region, self.retire, self.release = client._region, client._retire, client._regions.release
 
     def attaches(self, replica: int) -> bool:
-        try:
-            return self.client._data_channel(replica) is not None
-        except AclnnError:  # the replica is unreachable: the call finds out where it can move on, or replan
-            return False
+        return self._channel(replica) is not None
 
     def max_inline_bytes(self, replica: int) -> int:
         if self.client.max_inline_bytes is not None:
             return self.client.max_inline_bytes
-        return DATA_CHANNEL_INLINE_BYTES if self.attaches(replica) else GRPC_INLINE_BYTES
+        channel = self._channel(replica)
+        if channel is None:
+            return GRPC_INLINE_BYTES
+        return UNIX_INLINE_BYTES if channel.unix else TCP_INLINE_BYTES
+
+    def max_attached_bytes(self, replica: int) -> int | None:
+        """Over the Unix socket a call's attached bytes travel in a mailbox, of at most MAILBOX_MAX_BYTES."""
+        channel = self._channel(replica)
+        return MAX_MAILBOX_ATTACHED_BYTES if channel is not None and channel.unix else None
+
+    def _channel(self, replica: int) -> DataChannel | None:
+        try:
+            return self.client._data_channel(replica)
+        except AclnnError:  # the replica is unreachable: the call finds out where it can move on, or replan
+            return None
 
 
 _DOUBLE = struct.Struct("<d")

@@ -10,6 +10,8 @@ from collections.abc import Iterable
 
 import numpy as np
 
+F_SEAL_FUTURE_WRITE = 0x0010  # Linux 5.1 (fcntl has no name for it before Python 3.13)
+
 
 class Region:
     """A shared-memory region this client created: a memfd sealed against shrinking and growing, mapped here.
@@ -18,12 +20,15 @@ class Region:
     size: neither side can truncate it under the other.
     """
 
-    def __init__(self, size: int, name: str = "aclnn-region") -> None:
+    def __init__(self, size: int, name: str = "aclnn-region", holeless: bool = False) -> None:
+        """`holeless`: sealed against writes too, once mapped here (F_SEAL_FUTURE_WRITE): this mapping
+        still writes it, but nobody can punch a hole in it (a large mailbox: framing.HELD_MAILBOX_BYTES)."""
         fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.ftruncate(fd, size)
-            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
             self.map = mmap.mmap(fd, size)
+            seals = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals | (F_SEAL_FUTURE_WRITE if holeless else 0))
         except BaseException:
             os.close(fd)
             raise

@@ -11,6 +11,7 @@ import numpy as np
 from aclnn_common._proto import aclnn_pb2 as pb
 from aclnn_common.chunks import byte_view
 from aclnn_common.errors import AclnnError
+from aclnn_common.framing import aligned
 from aclnn_common.tensor import Tensor
 from aclnn_common.types import numpy_dtype
 from aclnn_common.wire import decode_output
@@ -26,6 +27,9 @@ class Transfers(Protocol):
 
     def max_inline_bytes(self, replica: int) -> int:
         """Larger tensors are uploaded to the replica, larger results kept on it."""
+
+    def max_attached_bytes(self, replica: int) -> int | None:
+        """A call's inline tensors in all, at most (the largest are uploaded beyond it); None: no limit."""
 
     def upload(self, replica: int, data: memoryview, reservation: str = "") -> str:
         """Stores the bytes on the replica (in the memory of a call's reservation); returns their handle."""
@@ -132,8 +136,7 @@ class Staging:
         waiting for memory another call's first upload holds."""
         data = {name: byte_view(tensor.data) for name, tensor in tensors.items()}
         regions = {name: self._region(replica, view.nbytes) for name, view in data.items()}
-        limit = self.transfers.max_inline_bytes(replica)
-        uploads = [n for n, view in data.items() if regions[n] is None and view.nbytes > limit]
+        uploads = self._uploads(replica, {n: view.nbytes for n, view in data.items() if regions[n] is None})
         if uploads:
             reservation.uploads.extend(uploads)
             self.reservation, self._reserved_on = self.transfers.reserve(replica, reservation), replica
@@ -150,6 +153,21 @@ class Staging:
             else:
                 staged[name] = view.tobytes()
         return staged
+
+    def _uploads(self, replica: int, sizes: Mapping[str, int]) -> list[str]:
+        """The tensors uploaded rather than sent inline: those above the inline limit, then the largest
+        others while the inline ones are more than the call may attach."""
+        limit = self.transfers.max_inline_bytes(replica)
+        uploads = [name for name, size in sizes.items() if size > limit]
+        most = self.transfers.max_attached_bytes(replica)
+        if most is not None:
+            inline = sorted((size, name) for name, size in sizes.items() if size <= limit)
+            total = sum(aligned(size) for size, _ in inline)
+            while total > most:
+                size, name = inline.pop()
+                uploads.append(name)
+                total -= aligned(size)
+        return uploads
 
     def _upload(self, replica: int, name: str, data: memoryview) -> str:
         try:

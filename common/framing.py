@@ -22,7 +22,9 @@ else while it waits (the server takes a closed connection for a cancelled call):
     UNREGISTER_REGION  payload = the region's id; reply: empty
     MAILBOX   (Unix socket) payload = size:u64, at most MAILBOX_MAX_BYTES; then like REGISTER_REGION
               a memfd sealed like a region: the connection's mailbox from now on (it replaces a
-              smaller one); reply: empty
+              smaller one); reply: empty. One larger than HELD_MAILBOX_BYTES must be sealed against
+              writes too (F_SEAL_FUTURE_WRITE, added after the client mapped it: it still writes
+              through that mapping, but nobody, itself included, can punch a hole in it)
     WRITE_BUFFER  payload = BufferWrite message with all its bytes in `data` (up to
               WRITE_INLINE_BYTES), or none: then a reply (empty) when the write is accepted, then the
               client sends `size` raw bytes; reply: empty
@@ -56,6 +58,14 @@ not copied where the mailbox is mapped: the server computes on it where the clie
 that a client that rewrites it before its call ran changes that call's results, and nothing else.
 The server never writes the mailbox; replies come over the socket. A mailbox lives and dies with
 its connection.
+
+A mailbox above HELD_MAILBOX_BYTES (sealed against writes, so against holes) is mapped whole and
+not held: a request in it is served only once the server found no hole in its bytes (lseek
+SEEK_HOLE, once per range: none can appear later), so reading it never fills a page charged to
+the server; its pages are the client's. Its attached part read in place is held with the call's
+memory while the call runs, taken as one unit in turn with every other call like a reservation
+(ReserveCall), so large inline calls wait, go in turn and are refused as uploads are. A request
+in it with a hole in its bytes is refused (INVALID_ARGUMENT), the connection kept in step.
 """
 
 from __future__ import annotations
@@ -75,7 +85,10 @@ ATTACHMENT_ALIGN = 64  # the attached part, and each tensor in it, starts at a m
 # A Unix-socket buffer holds ~36.5 KiB (one page-sized head and 32 KiB of pages): payloads above
 # this travel in the connection's mailbox, of at most MAILBOX_MAX_BYTES.
 MAILBOX_FROM = 32 << 10
-MAILBOX_MAX_BYTES = 16 << 20
+MAILBOX_MAX_BYTES = 64 << 20
+# Mailboxes up to this size are held in the server's memory ledger while mapped; larger ones are sealed
+# against holes instead, and a call holds what it reads of one while it runs.
+HELD_MAILBOX_BYTES = 16 << 20
 REQUEST = struct.Struct("<BBqIQ")
 REPLY = struct.Struct("<BQ")
 REGION = struct.Struct("<Q")

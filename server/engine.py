@@ -100,6 +100,9 @@ class CallContext:
     bytes_out: int = 0
     # A data-channel call's raw part (framing: ATTACHED): its inputs' bytes; None where a transport has none.
     attachment: memoryview | None = None
+    # Of it, bytes read where the client wrote them in memory the ledger does not hold (a mailbox sealed
+    # against holes): held with the call's memory, as one unit, while it runs.
+    in_place_bytes: int = 0
     attached_results: list[tuple[int, memoryview]] = field(default_factory=list)  # (offset, bytes) to send back
     queue_s: float = 0.0
     validation_s: float = 0.0
@@ -634,6 +637,10 @@ class Engine:
         compute, in `call.holds`, when the transport sends them later.
         """
         parts = parts or self._call_parts(plan, workspace_size, call, resident)
+        # What it reads in place: at most its inputs' storage, whatever it attached.
+        in_place = call.in_place_bytes and min(call.in_place_bytes, sum(t.storage_nbytes for t in plan.inputs.values()))
+        if in_place:
+            parts = {**parts, RUNNING: parts[RUNNING] + in_place}
         reserved, call.reserved = call.reserved, None
         if reserved is not None and all(reserved[kind].nbytes >= n for kind, n in parts.items()):
             for kind, n in parts.items():
@@ -659,7 +666,8 @@ class Engine:
             hold.release()
             call.results.release()  # in process nothing is kept
         else:
-            hold.shrink(parts[RUNNING] - self._workspace_held(workspace_size))  # the workspace is free again
+            # The workspace is free again, and inputs read in place are read.
+            hold.shrink(parts[RUNNING] - self._workspace_held(workspace_size) - in_place)
             call.holds += [hold, call.results]  # the outputs until the reply is sent; results split off as kept
 
     def _call_parts(

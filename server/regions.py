@@ -83,7 +83,7 @@ def map_region(offer: RegionOffer) -> tuple[mmap.mmap, tuple[int, int]]:
         raise invalid_error("region", f"the memfd cannot be mapped read-write: {exc}") from None
 
 
-def checked_memfd(offer: RegionOffer, punchable: bool = False) -> int:
+def checked_memfd(offer: RegionOffer, punchable: bool = False, holeless: bool = False) -> int:
     """The offer's one descriptor, once it is a memfd (on the kernel's internal tmpfs, not hugetlbfs)
     sealed against shrinking, growing and further seals that holds the declared size; 161002 naming
     `region` when not.
@@ -93,7 +93,8 @@ def checked_memfd(offer: RegionOffer, punchable: bool = False) -> int:
     hugetlbfs memfds are refused: a hole punched in one after it was checked would SIGBUS the
     server's next access to that page when the huge page pool is empty. `punchable`: refused too
     when sealed against writes (the server could not give back pages it faulted into it; F_SEAL_SEAL
-    keeps such a seal from coming later).
+    keeps such a seal from coming later). `holeless`: refused unless sealed against writes (then
+    nobody can punch a hole in it; its creator may still write through a mapping made before the seal).
     """
     if offer.fd is None or offer.passed != 1:
         raise invalid_error(
@@ -122,6 +123,10 @@ def checked_memfd(offer: RegionOffer, punchable: bool = False) -> int:
         )
     if punchable and seals & (fcntl.F_SEAL_WRITE | _F_SEAL_FUTURE_WRITE):
         raise invalid_error("region", "the memfd must not be sealed against writes")
+    if holeless and not seals & (fcntl.F_SEAL_WRITE | _F_SEAL_FUTURE_WRITE):
+        raise invalid_error(
+            "region", "a mailbox this large must be sealed against writes (F_SEAL_FUTURE_WRITE, after mapping it)"
+        )
     if not 0 < offer.size <= info.st_size:
         raise invalid_error("region", f"a region of {offer.size} bytes was declared; the memfd holds {info.st_size}")
     return fd

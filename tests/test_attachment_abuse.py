@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import ctypes
+import errno
 import fcntl
 import os
 import pathlib
@@ -25,19 +26,31 @@ from test_attachments import attached_call, attached_inputs, attached_reply, exc
 from test_data_channel import OP, OUTPUTS, answers_keepalive, check, connect, error_of, reply, request, ticket
 from test_mailbox import closed_by_server, mailbox_maps, pass_mailbox
 from test_processes import broadcast_call
-from test_shared_memory import memfd, refused, register, unix_connect
+from test_shared_memory import SEALS, memfd, refused, register, unix_connect
 from test_transport import wait_for
 from users import NOBODY, needs_root, start_as_user
 
 from aclnn_client import Client
 from aclnn_common._proto import aclnn_pb2 as pb
 from aclnn_common._proto import aclnn_pb2_grpc as pb_grpc
-from aclnn_common.framing import ATTACHED, CALL, IN_MAILBOX, MAGIC, MESSAGE_LENGTH, REPLY
+from aclnn_common.framing import ATTACHED, CALL, HELD_MAILBOX_BYTES, IN_MAILBOX, MAGIC, MESSAGE_LENGTH, REPLY
 from aclnn_server.transport.data_channel import mailbox as data_channel_mailbox
 
 MIB = 1 << 20
 UNSEALABLE = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW  # sealed as a region must be, but open to more seals
 F_SEAL_FUTURE_WRITE = 0x0010
+
+
+HOLELESS = 32 * MIB  # a mailbox above HELD_MAILBOX_BYTES: sealed against holes, mapped whole, never held
+
+
+def writable_mailbox(size: int) -> tuple[int, np.memmap]:
+    """A mailbox memfd and a writable mapping of it; above HELD_MAILBOX_BYTES sealed against holes as
+    the client seals it (F_SEAL_FUTURE_WRITE once mapped: writes go through this mapping only)."""
+    fd = memfd(size, seals=0)
+    mapping = np.memmap(f"/proc/self/fd/{fd}", np.uint8, "r+", shape=(size,))
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS | (F_SEAL_FUTURE_WRITE if size > HELD_MAILBOX_BYTES else 0))
+    return fd, mapping
 
 
 def results_of(answer: bytes, p: dict) -> None:
@@ -96,6 +109,177 @@ def test_pages_the_server_faults_into_a_mailbox_are_given_back(serve):
     os.close(fd)
 
 
+# Mailboxes sealed against holes (above HELD_MAILBOX_BYTES) --------------------------------------
+
+
+def test_a_mailbox_above_the_held_size_must_be_sealed_against_holes(serve):
+    """Up to HELD_MAILBOX_BYTES a mailbox is held in the ledger and punched when it goes; a larger one
+    must be sealed against writes (F_SEAL_FUTURE_WRITE: nobody can punch a hole in it), and is then
+    mapped whole without being held."""
+    served = serve()
+    ledger = served.engine.ledger
+    with unix_connect(ticket(served.address, "s")) as sock:
+        punchable = memfd(HELD_MAILBOX_BYTES + 4096)
+        refused(pass_mailbox(sock, punchable, HELD_MAILBOX_BYTES + 4096), "sealed against writes")
+        fd, mapping = writable_mailbox(HOLELESS)
+        assert pass_mailbox(sock, fd, HOLELESS) == (True, b"")
+        assert mailbox_maps(os.getpid(), "test-region") == [HOLELESS] * 2 and ledger.held == 0  # ours and its
+        assert answers_keepalive(sock)
+        for handle in (punchable, fd):
+            os.close(handle)
+    del mapping
+    wait_for(lambda: mailbox_maps(os.getpid(), "test-region") == [])
+
+
+def test_a_request_over_holes_in_a_sealed_mailbox_is_refused_and_fills_nothing(serve, rng):
+    """A client that lies about what it wrote (a request over bytes it never wrote, or wrote only in
+    part) is refused in step before the server reads a byte of it: the server fills no page of the
+    client's memfd, holds nothing for it, and the connection serves the call once it is written. No
+    one can punch a hole after the check (EPERM), so a range found whole is never looked at again."""
+    served = serve()
+    ledger = served.engine.ledger
+    p = layer_norm_call(rng, (2048, 1024))  # 8 MiB tensors: a 16 MiB payload
+    call, raw = all_attached(p)
+    payload = attached_call("Run", call.SerializeToString(), raw)
+    fd, mailbox = writable_mailbox(HOLELESS)
+    with unix_connect(ticket(served.address, "s")) as sock:
+        assert pass_mailbox(sock, fd, HOLELESS) == (True, b"")
+        for written in (0, len(payload) // 2):  # nothing, then half of it
+            mailbox[:written] = np.frombuffer(payload[:written], np.uint8)
+            sock.sendall(request(CALL | ATTACHED | IN_MAILBOX, len(payload)))
+            ok, answer = reply(sock)
+            assert not ok and "holes" in error_of(answer).message, answer
+            assert os.fstat(fd).st_blocks * 512 == -(-written // 4096) * 4096  # the client's pages, no more
+            assert ledger.held == 0
+        mailbox[: len(payload)] = np.frombuffer(payload, np.uint8)
+        sock.sendall(request(CALL | ATTACHED | IN_MAILBOX, len(payload)))
+        ok, answer = reply(sock)
+        assert ok, error_of(answer).message
+        results_of(answer, p)
+        check(p)
+        assert os.fstat(fd).st_blocks * 512 == -(-len(payload) // 4096) * 4096
+        assert _libc.fallocate(fd, _PUNCH_HOLE, 0, len(payload)) == -1 and ctypes.get_errno() == errno.EPERM
+        assert answers_keepalive(sock)
+    del mailbox
+    os.close(fd)
+    wait_for(lambda: ledger.held == 0 and mailbox_maps(os.getpid(), "test-region") == [])
+
+
+def test_a_large_inline_call_holds_what_it_reads_in_place_only_while_it_runs(serve, rng):
+    """The attached part of a call in a sealed mailbox is held with the call's memory as one unit: not
+    while the call waits its turn (behind another tenant's long call), and given up with the call
+    when its client disconnects meanwhile; nothing of the idle mailbox is held."""
+    served = serve(max_concurrency=1)
+    ledger = served.engine.ledger
+    p = layer_norm_call(rng, (2048, 1024))
+    call, raw = all_attached(p)
+    payload = attached_call("Run", call.SerializeToString(), raw)
+    fd, mailbox = writable_mailbox(HOLELESS)
+    mailbox[: len(payload)] = np.frombuffer(payload, np.uint8)
+    with Client(served.address) as other, concurrent.futures.ThreadPoolExecutor(1) as pool:
+        other.list_operators()
+        with unix_connect(ticket(served.address, "stall")) as sock:
+            assert pass_mailbox(sock, fd, HOLELESS) == (True, b"")
+            running = pool.submit(other.run, OP, **broadcast_call(0, rows=65536))
+            wait_for(lambda: served.engine.admission.running == 1)
+            running_holds = ledger.held
+            sock.sendall(request(CALL | ATTACHED | IN_MAILBOX, len(payload)))
+            wait_for(lambda: served.engine.admission.waiting == 1)
+            assert ledger.held == running_holds  # queued: nothing of it is held yet (its message is small)
+        running.result(timeout=60)
+    wait_for(lambda: served.engine.admission.waiting == 0 and ledger.held == 0)
+    del mailbox
+    os.close(fd)
+    wait_for(lambda: mailbox_maps(os.getpid(), "test-region") == [])
+
+
+def test_another_users_flood_of_large_inline_calls_is_held_within_its_share(serve, rng):
+    """Another local user opens connections with sealed 32 MiB mailboxes and sends 8 MiB-tensor calls in
+    all of them at once, again and again, and tries to punch its mailboxes: what its calls read in place
+    is held in its share while they run (never more than the share), the server fills no page of its
+    memfds, nothing is held for its idle mailboxes, another tenant's calls go on, correct; everything
+    is given back when it leaves."""
+    needs_root()
+    served = serve(memory_budget_bytes=96 * MIB)  # a tenant's share: 48 MiB, two such calls at once
+    ledger = served.engine.ledger
+    signals = tempfile.mkdtemp()  # where the attacker can see it (pytest's tmp_path is root's only)
+    os.chmod(signals, 0o755)
+    go, calls = pathlib.Path(signals, "go"), pathlib.Path(signals, "call")
+    call, raw = all_attached(layer_norm_call(rng, (2048, 1024)))
+    calls.write_bytes(attached_call("Run", call.SerializeToString(), raw))
+    calls.chmod(0o644)
+    attacker = start_as_user(
+        NOBODY,
+        f"""
+        import ctypes, errno, fcntl, threading
+        import numpy as np
+        from aclnn_common.framing import ATTACHED, CALL, IN_MAILBOX
+        from test_data_channel import reply, request, ticket
+        from test_mailbox import pass_mailbox
+        from test_shared_memory import SEALS, memfd, unix_connect
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.fallocate.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64)
+        payload = np.fromfile({str(calls)!r}, np.uint8)
+        offer = ticket({served.address!r}, "flood")
+        conns = []
+        for _ in range(6):
+            sock = unix_connect(offer)
+            fd = memfd({HOLELESS}, seals=0)
+            mailbox = np.memmap(f"/proc/self/fd/{{fd}}", np.uint8, "r+", shape=({HOLELESS},))
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS | {F_SEAL_FUTURE_WRITE})
+            mailbox[: payload.size] = payload
+            assert pass_mailbox(sock, fd, {HOLELESS}) == (True, b"")
+            assert libc.fallocate(fd, 3, 0, {HOLELESS}) == -1 and ctypes.get_errno() == errno.EPERM
+            conns.append((sock, fd, mailbox))
+        outcomes = []
+
+        def flood(sock):
+            for _ in range(3):
+                sock.sendall(request(CALL | ATTACHED | IN_MAILBOX, payload.size))
+                outcomes.append(reply(sock)[0])
+
+        threads = [threading.Thread(target=flood, args=(sock,)) for sock, _, _ in conns]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        print(sum(outcomes), sum(os.fstat(fd).st_blocks * 512 for _, fd, _ in conns), flush=True)
+        while not os.path.exists({str(go)!r}):
+            time.sleep(0.05)
+        for sock, _, _ in conns:
+            sock.close()
+        """,
+    )
+    most, stop = [0], threading.Event()
+
+    def watch() -> None:
+        while not stop.is_set():
+            most[0] = max(most[0], ledger.held_by("uid:65534"))
+            time.sleep(0.001)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        answered, filled = (int(word) for word in attacker.stdout.readline().split())
+        stop.set()
+        assert answered == 18  # every call waited its turn within the share, and ran
+        assert filled == 6 * -(-calls.stat().st_size // 4096) * 4096  # its payloads' pages, none filled by the server
+        assert 16 * MIB <= most[0] <= 48 * MIB and "mailbox" not in ledger.held_by_kind()
+        with Client(served.address) as c:
+            for rows in (4, 64, 2048):
+                q = layer_norm_call(rng, (rows, 1024))
+                c.run(OP, **q)
+                check(q)
+        go.touch()
+        assert attacker.wait(timeout=30) == 0
+    finally:
+        stop.set()
+        attacker.kill()
+        attacker.wait()
+        shutil.rmtree(signals)
+    wait_for(lambda: ledger.held == 0 and mailbox_maps(os.getpid(), "test-region") == [])
+
+
 # Lying about the message and the attached part --------------------------------------------------
 
 
@@ -115,7 +299,7 @@ def test_a_mailbox_call_too_short_for_its_own_header_is_answered_in_step(serve):
     os.close(fd)
 
 
-@pytest.mark.parametrize("in_mailbox", [False, True], ids=["socket", "mailbox"])
+@pytest.mark.parametrize("in_mailbox", [None, MIB, HOLELESS], ids=["socket", "mailbox", "holeless-mailbox"])
 def test_lying_attached_ranges_are_refused_naming_the_reference(serve, rng, in_mailbox):
     """Ranges past the attached part at sizes near 2^64, ranges that wrap around, a size that does not
     match the tensor's: 161002 naming `ref` or the tensor, nothing written; ranges that overlap
@@ -128,13 +312,13 @@ def test_lying_attached_ranges_are_refused_naming_the_reference(serve, rng, in_m
         if not in_mailbox:
             return exchange(sock, "Run", message.SerializeToString(), raw)
         payload = attached_call("Run", message.SerializeToString(), raw)
-        os.pwrite(fd, payload, 0)
+        mailbox[: len(payload)] = np.frombuffer(payload, np.uint8)
         sock.sendall(request(CALL | ATTACHED | IN_MAILBOX, len(payload)))
         return reply(sock)
 
-    fd = memfd(MIB)
+    fd, mailbox = writable_mailbox(in_mailbox or MIB)
     with unix_connect(ticket(served.address, "s")) as sock:
-        assert pass_mailbox(sock, fd, MIB) == (True, b"")
+        assert pass_mailbox(sock, fd, in_mailbox or MIB) == (True, b"")
         top = (1 << 64) - 1
         where = call.params["input"].tensor.ref.attached
         good = (where.offset, where.size)
@@ -483,10 +667,10 @@ def test_mailboxes_are_punched_outside_the_loops_lock(serve, monkeypatch):
     ways a connection ends: the client closes it, the idle sweep, the server's stop."""
     punched, under_lock = [], []
 
-    def watched(mapping, fd, hold) -> None:
+    def watched(mapping, fd, hold, punch) -> None:
         punched.append(fd)
         under_lock.append(lock.owner == threading.get_ident())
-        return unmapped(mapping, fd, hold)
+        return unmapped(mapping, fd, hold, punch)
 
     unmapped = data_channel_mailbox._unmapped
     monkeypatch.setattr(data_channel_mailbox, "_unmapped", watched)

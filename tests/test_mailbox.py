@@ -4,6 +4,7 @@ as a hostile tenant would use it (raw sockets, a real server process)."""
 from __future__ import annotations
 
 import concurrent.futures
+import fcntl
 import os
 import socket
 import time
@@ -28,8 +29,9 @@ from test_shared_memory import (
 from test_transport import wait_for
 
 from aclnn_client import AclnnError, Client
+from aclnn_client.regions import F_SEAL_FUTURE_WRITE
 from aclnn_common._proto import aclnn_pb2 as pb
-from aclnn_common.framing import CALL, IN_MAILBOX, MAILBOX, MAILBOX_MAX_BYTES
+from aclnn_common.framing import CALL, HELD_MAILBOX_BYTES, IN_MAILBOX, MAILBOX, MAILBOX_MAX_BYTES
 from aclnn_common.wire import decode_output
 
 MIB = 1 << 20
@@ -47,17 +49,18 @@ def mailbox_maps(pid: int, name: str = "aclnn-mailbox") -> list[int]:
     return sizes
 
 
-def mailbox_fds(pid: int) -> list[int]:
-    """The sizes of the mailbox memfds the process holds open (each once, however many descriptors)."""
-    sizes = {}
+def mailbox_fds(pid: int, descriptors: bool = False) -> list[int]:
+    """The sizes of the mailbox memfds the process holds open (each once, however many descriptors),
+    or (`descriptors`) one descriptor of each."""
+    found = {}
     for fd in os.listdir(f"/proc/{pid}/fd"):
         try:
             if os.readlink(f"/proc/{pid}/fd/{fd}").startswith("/memfd:aclnn-mailbox"):
                 info = os.stat(f"/proc/{pid}/fd/{fd}")
-                sizes[info.st_ino] = info.st_size
+                found[info.st_ino] = int(fd) if descriptors else info.st_size
         except FileNotFoundError:
             pass  # closed meanwhile
-    return sorted(sizes.values())
+    return sorted(found.values())
 
 
 def pass_mailbox(sock: socket.socket, fd: int, size: int) -> tuple[bool, bytes]:
@@ -100,10 +103,17 @@ def test_large_calls_travel_in_a_mailbox_that_grows_and_goes_with_its_connection
             check(p)
             assert mailbox_fds(proc.pid) == [size] and mailbox_maps(os.getpid()) == [size]
         assert mailbox_maps(proc.pid) == [2 * MIB]  # the server maps the whole mailbox (read-only), the last only
-        p = layer_norm_call(rng, (2100, 1024))  # 17 MB: above the largest mailbox, through the socket
+        p = layer_norm_call(rng, (2100, 1024))  # 17 MB: a mailbox above HELD_MAILBOX_BYTES, sealed against holes
         c.run(OP, **p)
         check(p)
-        assert mailbox_fds(proc.pid) == [2 * MIB]
+        assert mailbox_fds(proc.pid) == [32 * MIB] and mailbox_maps(proc.pid) == [32 * MIB]
+        (mailbox,) = mailbox_fds(os.getpid(), descriptors=True)
+        assert fcntl.fcntl(mailbox, fcntl.F_GET_SEALS) & F_SEAL_FUTURE_WRITE  # nobody can punch a hole in it
+        # 2 x 32.8 MB: more than a mailbox takes (MAX_MAILBOX_ATTACHED_BYTES): the largest is uploaded
+        p = layer_norm_call(rng, (8000, 1024))
+        c.run(OP, **p)
+        check(p)
+        assert mailbox_fds(proc.pid) == [64 * MIB]
         with concurrent.futures.ThreadPoolExecutor(4) as pool:  # a mailbox per pooled connection
             calls = [layer_norm_call(rng, (16, 1024)) for _ in range(8)]
             list(pool.map(lambda q: c.run(OP, **q), calls))
@@ -132,8 +142,8 @@ def test_a_mapped_mailbox_is_held_in_the_ledger_while_mapped(serve, rng):
     p = layer_norm_call(rng, (64, 1024))
     payload = run_payload(p)
     with unix_connect(ticket(served.address, "s")) as sock:
-        fd = memfd(MAILBOX_MAX_BYTES)
-        assert pass_mailbox(sock, fd, MAILBOX_MAX_BYTES) == (True, b"")
+        fd = memfd(HELD_MAILBOX_BYTES)
+        assert pass_mailbox(sock, fd, HELD_MAILBOX_BYTES) == (True, b"")
         assert mailbox_maps(os.getpid(), "test-region") == [MAPPED] and ledger.held == 0
         os.pwrite(fd, payload, 0)
         sock.sendall(request(CALL | IN_MAILBOX, len(payload)))
@@ -176,13 +186,13 @@ def test_hostile_mailboxes_are_refused_and_the_server_survives(server_process, r
         del mailbox
         os.close(fd)
     with unix_connect(offer) as sock:  # a mailbox never written: all holes, read through the mapping
-        sparse = memfd(MAILBOX_MAX_BYTES)
-        assert pass_mailbox(sock, sparse, MAILBOX_MAX_BYTES) == (True, b"")
-        sock.sendall(request(CALL | IN_MAILBOX, MAILBOX_MAX_BYTES))
+        sparse = memfd(HELD_MAILBOX_BYTES)
+        assert pass_mailbox(sock, sparse, HELD_MAILBOX_BYTES) == (True, b"")
+        sock.sendall(request(CALL | IN_MAILBOX, HELD_MAILBOX_BYTES))
         ok, answer = reply(sock)
         assert not ok and "not on the data channel" in error_of(answer).message  # zeros name no method
         # What a hole read can fill: the mapping, which the ledger holds (see the test above).
-        assert mailbox_maps(proc.pid, "test-region") == [MAILBOX_MAX_BYTES]
+        assert mailbox_maps(proc.pid, "test-region") == [HELD_MAILBOX_BYTES]
         os.close(sparse)
     wait_for(lambda: mailbox_maps(proc.pid, "test-region") == [])  # gone with its connection
     fresh = layer_norm_call(rng, (64, 1024))

@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from typing import Any
 
 import grpc
 import numpy as np
@@ -498,15 +499,16 @@ def test_a_call_that_can_never_fit_is_161002_before_any_upload(serve, rng, data_
 
 
 def _throughput(
-    address: str, p: dict, clients: int, seconds: float, reference: np.ndarray | None = None
+    address: str, p: dict, clients: int, seconds: float, reference: np.ndarray | None = None, **options: Any
 ) -> tuple[int, collections.Counter]:
-    """Calls completed by `clients` clients of one identity in `seconds`, and every outcome (a refused
-    client waits 50 ms before its next call); each gradInput checked against `reference` when given."""
+    """Calls completed by `clients` clients (made with `options`) of one identity in `seconds`, and every
+    outcome (a refused client waits 50 ms before its next call); each gradInput checked against
+    `reference` when given."""
     outcomes: collections.Counter = collections.Counter()
     stop_at = time.monotonic() + seconds
 
     def worker() -> None:
-        with Client(address, timeout=60) as c:
+        with Client(address, timeout=60, **options) as c:
             out = np.empty_like(p["gradInputOut"])
             while time.monotonic() < stop_at:
                 try:
@@ -525,14 +527,19 @@ def _throughput(
     return outcomes["ok"], outcomes
 
 
-@pytest.mark.slow  # about 8 s: one client alone, then eight together, on a server whose share holds two calls
-def test_clients_of_one_identity_do_not_livelock_each_other(serve, rng):
+@pytest.mark.slow  # about 8 s each: one client alone, then eight together, on a server whose share holds two calls
+@pytest.mark.parametrize("inline_bytes", [4 * MiB, None], ids=["uploads", "in-mailbox"])
+def test_clients_of_one_identity_do_not_livelock_each_other(serve, rng, inline_bytes):
     """Finding 16: eight clients of one identity, each call uploading two inputs and keeping its output,
     on a share that holds two such calls: every call's memory is reserved as one unit before its first
-    upload, so none holds what another needs; calls complete, none is refused."""
+    upload, so none holds what another needs; calls complete, none is refused. The same with the
+    tensors inline (the default over the Unix socket): in their connections' mailboxes, sealed against
+    holes and not held, what a call reads in place is held with its outputs as one unit while it runs."""
     served = serve(memory_budget_bytes=128 * MiB)  # a share of 64 MiB: 48 of them for stored tensors
     p = layer_norm_call(rng, (1024, 2048))  # 8 MiB per tensor: 16 MiB uploaded, 8 MiB kept per call
-    alone, _ = _throughput(served.address, p, 1, 2.0)
-    together, outcomes = _throughput(served.address, p, 8, 4.0)
+    alone, _ = _throughput(served.address, p, 1, 2.0, max_inline_bytes=inline_bytes)
+    together, outcomes = _throughput(served.address, p, 8, 4.0, max_inline_bytes=inline_bytes)
     print(f"one client: {alone / 2.0:.1f} calls/s; eight of one identity: {together / 4.0:.1f} calls/s; {outcomes}")
     assert set(outcomes) == {"ok"} and together >= 8, outcomes
+    uploads = served.server.metrics.requests.labels("UploadTensor", "", "ACLNN_SUCCESS")._value.get()
+    assert (uploads > 0) == (inline_bytes is not None)

@@ -34,11 +34,16 @@ class Mailbox:
     closed and the last view of it (a call's input) is gone. Then the mapped range is punched out
     of the memfd, the hold ended and the mapping closed (a memfd sealed against writes, which could
     not be punched, is refused as a mailbox).
+
+    A `sealed` mailbox (one above HELD_MAILBOX_BYTES, sealed against writes: no hole can be punched in
+    it) is mapped whole without a hold: its requests are read only where `filled` found no hole, so
+    the server never fills a page of it, and there is nothing to punch when it goes.
     """
 
-    def __init__(self, fd: int, size: int, hold: Hold | None = None) -> None:
-        self.fd, self.size = fd, size
-        mapped = size if hold is not None else min(size, _MAPPED_MAILBOX_BYTES)
+    def __init__(self, fd: int, size: int, hold: Hold | None = None, sealed: bool = False) -> None:
+        self.fd, self.size, self.sealed = fd, size, sealed
+        self._filled = 0  # a sealed mailbox's first bytes found without holes (none can appear later)
+        mapped = size if hold is not None or sealed else min(size, _MAPPED_MAILBOX_BYTES)
         try:  # Python's mapping holds a duplicate of the descriptor: two per mailbox
             mapping: mmap.mmap | None = mmap.mmap(fd, mapped, prot=mmap.PROT_READ)
         except OSError:  # a memfd this cannot map (hugetlb pages): everything is read with pread
@@ -51,7 +56,18 @@ class Mailbox:
         else:
             # Every view handed out is a view of this array: the mapping (and its hold) last as long as it.
             self._bytes = np.frombuffer(mapping, np.uint8)
-            weakref.finalize(self._bytes, _unmapped, mapping, fd, hold)
+            weakref.finalize(self._bytes, _unmapped, mapping, fd, hold, not sealed)
+
+    def filled(self, end: int) -> bool:
+        """Whether the mailbox's first `end` bytes hold no hole (always, for one the ledger holds). A
+        sealed mailbox's holes can only be filled, never made again: each byte is looked at once."""
+        if not self.sealed or end <= self._filled:
+            return True
+        try:
+            self._filled = min(os.lseek(self.fd, self._filled, os.SEEK_HOLE), self.size)
+        except OSError:  # ENXIO: at or past the end, where there is nothing to look at
+            return False
+        return end <= self._filled
 
     def read_into(self, payload: memoryview) -> int:
         """Copies the mailbox's first payload.nbytes bytes into `payload`; the count read."""
@@ -75,10 +91,11 @@ class Mailbox:
             os.close(self.fd)
 
 
-def _unmapped(mapping: mmap.mmap, fd: int, hold: Hold | None) -> None:
-    """The last view of a mailbox's mapping is gone: the mapped range is punched out of the memfd, the
-    descriptor closed, the hold ended; the mapping closes with the last reference to it (this call's)."""
-    if _libc.fallocate(fd, _PUNCH_HOLE, 0, len(mapping)) != 0:  # checked_memfd's seals rule this out
+def _unmapped(mapping: mmap.mmap, fd: int, hold: Hold | None, punch: bool) -> None:
+    """The last view of a mailbox's mapping is gone: the mapped range is punched out of the memfd (but
+    a sealed one's, which the server never filled), the descriptor closed, the hold ended; the mapping
+    closes with the last reference to it (this call's)."""
+    if punch and _libc.fallocate(fd, _PUNCH_HOLE, 0, len(mapping)) != 0:  # checked_memfd's seals rule this out
         log.warning("a mailbox's pages could not be given back: %s", os.strerror(ctypes.get_errno()))
     os.close(fd)
     if hold is not None:

@@ -17,6 +17,7 @@ from aclnn_common.framing import (
     ATTACHED,
     CALL,
     DOWNLOAD,
+    HELD_MAILBOX_BYTES,
     IN_MAILBOX,
     MAILBOX,
     MAILBOX_MAX_BYTES,
@@ -149,26 +150,17 @@ class Requests:
                 raise ProtocolError("bytes beyond the request")  # a client sends one request, then waits
             if kind == UPLOAD:
                 return header
-            if length > self.max_message_bytes:
+            copied = length  # what is received into the server's own memory
+            if in_mailbox and not conn.mailbox.filled(length):
+                holes = f"the mailbox has holes in the request's {length} bytes: write a payload before its call"
+                conn.refusal, conn.discard = status(code_pb2.INVALID_ARGUMENT, holes), 0
+            elif in_mailbox and kind & ATTACHED:
+                copied, conn.attachment = _left_in_mailbox(conn.mailbox, length)
+            if copied > self.max_message_bytes:  # attached bytes read in place are no message
                 self.fail(conn, status(code_pb2.RESOURCE_EXHAUSTED, f"request of {length} bytes is over the limit"))
                 raise ProtocolError("request over the message limit")
-            copied = length  # what is received into the server's own memory
-            if in_mailbox and kind & ATTACHED:
-                copied, conn.attachment = _left_in_mailbox(conn.mailbox, length)
-            if REQUEST.size + copied <= len(conn.buffer):
-                conn.need = REQUEST.size + copied
-                conn.payload = conn.buffer[REQUEST.size : conn.need]
-            else:
-                try:
-                    conn.hold = self.service.ledger.reserve(conn.owner, copied, "request", "request")
-                except AclnnError as exc:
-                    conn.refusal, conn.discard = failure_status(exc)[0], 0 if in_mailbox else length - early
-                else:
-                    payload = np.empty(copied, np.uint8)
-                    conn.hold.follow(payload)  # held while any view of it lives (attached inputs are views)
-                    conn.payload = memoryview(payload)
-                    conn.payload[:early] = conn.buffer[REQUEST.size : conn.got]
-                    conn.buffer, conn.got, conn.need = conn.payload, early, copied
+            if conn.refusal is None:
+                self._room(conn, copied, early, 0 if in_mailbox else length - early)
             if in_mailbox and conn.refusal is None:
                 # Copied out before anything parses it: the client may change its mailbox at any time.
                 if conn.mailbox.read_into(conn.payload) != copied:
@@ -179,6 +171,24 @@ class Requests:
             return None
         _wake_for_more(conn, self.limits.handshake_timeout_s)
         return conn.header
+
+    def _room(self, conn: Connection, copied: int, early: int, to_come: int) -> None:
+        """Where a request's `copied` bytes are received: the connection's buffer, or memory held for
+        them (refused when the ledger has none now: then the `to_come` bytes are drained)."""
+        if REQUEST.size + copied <= len(conn.buffer):
+            conn.need = REQUEST.size + copied
+            conn.payload = conn.buffer[REQUEST.size : conn.need]
+            return
+        try:
+            conn.hold = self.service.ledger.reserve(conn.owner, copied, "request", "request")
+        except AclnnError as exc:
+            conn.refusal, conn.discard = failure_status(exc)[0], to_come
+            return
+        payload = np.empty(copied, np.uint8)
+        conn.hold.follow(payload)  # held while any view of it lives (attached inputs are views)
+        conn.payload = memoryview(payload)
+        conn.payload[:early] = conn.buffer[REQUEST.size : conn.got]
+        conn.buffer, conn.got, conn.need = conn.payload, early, copied
 
     def serve(self, conn: Connection, kind: int, has_stream: int, stream: int, timeout_ms: int, length: int) -> None:
         """Serves a whole request on this thread (an UPLOAD receives its bytes here, within a deadline)."""
@@ -238,6 +248,8 @@ class Requests:
                 message, call.attachment = _attached(payload, 1 + payload[0])
                 if conn.attachment is not None:  # the attached part, where the client wrote it
                     call.attachment = conn.attachment
+                    if conn.mailbox.sealed:  # not held with the mailbox: held with the call while it runs
+                        call.in_place_bytes = conn.attachment.nbytes
             request = METHODS[method][0].FromString(message)
         except DecodeError:
             return self.fail(conn, status(code_pb2.INVALID_ARGUMENT, f"{method} request does not parse"))
@@ -298,7 +310,10 @@ class Requests:
         offer = RegionOffer(fds[0] if fds else None, size, passed)
         try:
             if kind == MAILBOX:
-                mailbox = Mailbox(checked_memfd(offer, punchable=True), size, self._mailbox_hold(conn, size))
+                if size > HELD_MAILBOX_BYTES:  # sealed against holes, mapped whole, not held
+                    mailbox = Mailbox(checked_memfd(offer, holeless=True), size, sealed=True)
+                else:
+                    mailbox = Mailbox(checked_memfd(offer, punchable=True), size, self._mailbox_hold(conn, size))
                 fds.pop(0)  # the connection keeps it
                 if conn.mailbox is not None:
                     conn.mailbox.close()
