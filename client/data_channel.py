@@ -59,6 +59,9 @@ from .regions import Region
 # payload's size rounded up to a power of two), and replaced by a larger one as payloads grow.
 _MAILBOX_START_BYTES = 256 << 10
 
+# A mailbox's registration refused as busy is asked again this many times in all, after 5, 10, 20, 40 ms.
+_REGISTER_TRIES = 5
+_REGISTER_BACKOFF_S = 0.005
 # Payloads up to this size are sent in one piece with their header (one syscall, one small copy).
 _COALESCE_BYTES = 64 << 10
 # Strided downloads are scattered through a bounce buffer of this size.
@@ -365,10 +368,12 @@ class DataChannel:
         size = max(_MAILBOX_START_BYTES, 1 << (size - 1).bit_length())
         mailbox = Region(size, "aclnn-mailbox", holeless=size > HELD_MAILBOX_BYTES)
         try:
-            self._pass_memfd(conn.sock, MAILBOX, mailbox.fd, mailbox.size, timeout)
-        except AclnnError:  # a server that takes no mailbox, or not one this large
+            self._register_mailbox(conn, mailbox, timeout)
+        except AclnnError as error:
             mailbox.close()
-            conn.mailbox_refused = True
+            # A server that takes no mailbox, or not one this large; busy (the identity's other
+            # registrations are queued): this payload goes through the socket, the next one asks again.
+            conn.mailbox_refused = error.grpc_code != grpc.StatusCode.RESOURCE_EXHAUSTED
             return None
         except BaseException:
             mailbox.close()
@@ -377,6 +382,18 @@ class DataChannel:
             conn.mailbox.close()
         conn.mailbox = mailbox
         return mailbox
+
+    def _register_mailbox(self, conn: _Connection, mailbox: Region, timeout: float | None) -> None:
+        """Passes the mailbox; while the server is busy with the identity's other registrations (one at
+        a time, a few queued: clients of one identity starting together), asks again shortly."""
+        for attempt in range(_REGISTER_TRIES):
+            try:
+                self._pass_memfd(conn.sock, MAILBOX, mailbox.fd, mailbox.size, timeout)
+                return
+            except AclnnError as error:
+                if error.grpc_code != grpc.StatusCode.RESOURCE_EXHAUSTED or attempt + 1 == _REGISTER_TRIES:
+                    raise
+            time.sleep(_REGISTER_BACKOFF_S * 2**attempt)
 
     def _pass_memfd(self, sock: socket.socket, kind: int, fd: int, size: int, timeout: float | None) -> memoryview:
         """A registration: the request, then (once the server asks for it) the memfd with one byte."""

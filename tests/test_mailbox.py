@@ -6,6 +6,7 @@ from __future__ import annotations
 import concurrent.futures
 import fcntl
 import os
+import select
 import socket
 import time
 
@@ -31,7 +32,7 @@ from test_transport import wait_for
 from aclnn_client import AclnnError, Client
 from aclnn_client.regions import F_SEAL_FUTURE_WRITE
 from aclnn_common._proto import aclnn_pb2 as pb
-from aclnn_common.framing import CALL, HELD_MAILBOX_BYTES, IN_MAILBOX, MAILBOX, MAILBOX_MAX_BYTES
+from aclnn_common.framing import CALL, HELD_MAILBOX_BYTES, IN_MAILBOX, MAILBOX, MAILBOX_MAX_BYTES, REGION, REQUEST
 from aclnn_common.wire import decode_output
 
 MIB = 1 << 20
@@ -122,6 +123,35 @@ def test_large_calls_travel_in_a_mailbox_that_grows_and_goes_with_its_connection
         assert 1 < len(mailbox_fds(proc.pid)) <= 4
     wait_for(lambda: mailbox_fds(proc.pid) == [])  # closed with their connections
     assert mailbox_maps(os.getpid()) == [] and mailbox_maps(proc.pid) == []
+
+
+def test_a_mailbox_refused_as_busy_is_asked_for_again(serve, rng):
+    """An identity's registrations are served one at a time, four more queued, the rest refused as busy
+    (clients of one identity starting together). A client refused its mailbox that way asks again
+    shortly, then sends that payload through the socket, and asks again with its next payload: it
+    does not send every later payload through the socket (as it does where a server takes none)."""
+    served = serve(data_handshake_timeout_s=1.0)
+    offer = ticket(served.address, "s")
+    stalled = [unix_connect(offer) for _ in range(6)]
+    ask = REQUEST.pack(MAILBOX, 0, 0, 0, REGION.size) + REGION.pack(MIB)
+    stalled[0].sendall(ask)
+    assert reply(stalled[0]) == (True, b"")  # "send it": the broker waits for a memfd that never comes
+    for sock in stalled[1:]:
+        sock.sendall(ask)  # four queued behind it, one refused at once
+    (busy,), _, _ = select.select(stalled[1:], [], [], 5)
+    ok, answer = reply(busy)
+    assert not ok and error_of(answer).grpc_code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    with Client(served.address) as c:
+        p = layer_norm_call(rng, (256, 1024))  # 2 MiB of payload: a mailbox asked for, refused as busy
+        c.run(OP, **p)
+        check(p)
+        assert mailbox_maps(os.getpid()) == []  # neither the client's nor the server's mapping
+        for sock in stalled:
+            sock.close()
+        p = layer_norm_call(rng, (256, 1024))
+        c.run(OP, **p)
+        check(p)
+        assert mailbox_maps(os.getpid()) == [4 * MIB, 4 * MIB]  # the client's and the server's
 
 
 def test_a_mapped_mailbox_is_held_in_the_ledger_while_mapped(serve, rng):
