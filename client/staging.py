@@ -139,6 +139,8 @@ class Staging:
         uploads = self._uploads(replica, {n: view.nbytes for n, view in data.items() if regions[n] is None})
         if uploads:
             reservation.uploads.extend(uploads)
+            if self.transfers.max_attached_bytes(replica) is not None:  # attached ones may be read in place
+                reservation.in_place.extend(n for n in data if regions[n] is None and n not in uploads)
             self.reservation, self._reserved_on = self.transfers.reserve(replica, reservation), replica
         staged: dict[str, bytes | pb.StorageRef] = {}
         for name, view in data.items():

@@ -100,8 +100,9 @@ class CallContext:
     bytes_out: int = 0
     # A data-channel call's raw part (framing: ATTACHED): its inputs' bytes; None where a transport has none.
     attachment: memoryview | None = None
-    # Of it, bytes read where the client wrote them in memory the ledger does not hold (a mailbox sealed
-    # against holes): held with the call's memory, as one unit, while it runs.
+    # Whether it lies where the client wrote it, in memory the ledger does not hold (a mailbox sealed
+    # against holes); then the bytes of the inputs read from it, held with the call's memory while it runs.
+    attached_in_place: bool = False
     in_place_bytes: int = 0
     attached_results: list[tuple[int, memoryview]] = field(default_factory=list)  # (offset, bytes) to send back
     queue_s: float = 0.0
@@ -697,22 +698,29 @@ class Engine:
         return 0 if workspace_size <= SMALL_WORKSPACE_BYTES else workspace_size
 
     def reserve(
-        self, call: CallContext, uploads: Sequence[str], op: str = "", values: Mapping[str, Value] | None = None
+        self,
+        call: CallContext,
+        uploads: Sequence[str],
+        op: str = "",
+        values: Mapping[str, Value] | None = None,
+        in_place: Sequence[str] = (),
     ) -> tuple[dict[str, Hold], list[int]]:
         """The memory of a Run of `op` (or, with no `op`, an Execute of `call.executor`) as one unit, in
-        turn with every waiting call: the inputs named in `uploads`, and what the call holds while it
-        runs. 161002 at once, naming its largest tensor, when it could never fit. Returns the holds and
-        the uploads' sizes."""
+        turn with every waiting call: the inputs named in `uploads`, what the call holds while it runs,
+        and the inputs `in_place` it may read where the client wrote them (held with it, see
+        CallContext.in_place_bytes). 161002 at once, naming its largest tensor, when it could never fit.
+        Returns the holds and the uploads' sizes."""
         if op:
             plan, workspace_size = self._plan(op, values or {}, call)[1:]
         else:
             entry = self.executors.get(call.executor, call.owner)
             call.op, plan, workspace_size = entry.operator.name, entry.plan, entry.workspace_size
-        unknown = sorted(set(uploads) - set(plan.inputs))
+        unknown = sorted((set(uploads) | set(in_place)) - set(plan.inputs))
         if unknown:
             raise invalid_error(unknown[0], f"is not an input tensor of this {call.op} call")
         sizes = [plan.inputs[name].storage_nbytes for name in uploads]
         parts = {"upload": sum(sizes), **self._call_parts(plan, workspace_size, call)}
+        parts[RUNNING] += sum(plan.inputs[name].storage_nbytes for name in set(in_place) - set(uploads))
         largest = max(uploads, key=lambda name: plan.inputs[name].storage_nbytes, default="op")
         self.ledger.check_possible(parts, largest)
         return self.admission.hold(parts, call.owner, call.deadline, call.cancelled), sizes

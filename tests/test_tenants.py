@@ -27,7 +27,7 @@ from layer_norm_cases import layer_norm_call, layer_norm_reference
 from oracle import assert_close
 from test_data_channel import connect, reply, request, ticket
 from test_processes import broadcast_call, free_port, start_server
-from test_shared_memory import memfd, register, unix_connect
+from test_shared_memory import check, memfd, register, unix_connect
 from test_transport import wait_for
 
 from aclnn_client import AclnnError, Client
@@ -495,6 +495,31 @@ def test_a_call_that_can_never_fit_is_161002_before_any_upload(serve, rng, data_
     assert time.monotonic() - started < 5.0
     uploads = served.server.metrics.requests.labels("UploadTensor", "", "ACLNN_SUCCESS")._value.get()
     assert uploads == 0
+    wait_for(lambda: served.engine.ledger.held == 0)
+
+
+def test_a_reserved_call_with_inputs_read_in_place_runs_on_its_reservation(serve, rng, monkeypatch):
+    """A call that uploads its large tensors and attaches its small ones in a mailbox above 16 MiB (not
+    held: what a call reads there is held with it) reserves those too (CallReservation.in_place): it
+    runs on its reservation and waits for nothing but a slot, as calls with uploads do."""
+    served = serve()
+    asked = []
+    slot = served.engine.admission.slot
+
+    def recording(parts, *args, **kwargs):
+        asked.append(dict(parts))
+        return slot(parts, *args, **kwargs)
+
+    monkeypatch.setattr(served.engine.admission, "slot", recording)
+    with Client(served.address) as c:
+        p = layer_norm_call(rng, (2048, 1024))  # 8 MiB tensors inline: the connection's mailbox is 32 MiB
+        c.run(OP, **p)
+        check(p)
+        asked.clear()
+        p = layer_norm_call(rng, (4200, 1024))  # 16.4 MiB uploaded; mean and rstd (33 KB) in that mailbox
+        c.run(OP, **p)
+        check(p)
+    assert asked == [{"call": 0, "result": 0}]  # all of its memory from its reservation
     wait_for(lambda: served.engine.ledger.held == 0)
 
 

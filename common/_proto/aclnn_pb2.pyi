@@ -175,14 +175,16 @@ class ExecuteRequest(_message.Message):
     def __init__(self, executor: _Optional[str] = ..., inputs: _Optional[_Mapping[str, bytes]] = ..., input_refs: _Optional[_Mapping[str, StorageRef]] = ..., placements: _Optional[_Mapping[str, OutputPlacement]] = ..., reservation: _Optional[str] = ...) -> None: ...
 
 class CallReservation(_message.Message):
-    __slots__ = ("run", "execute", "uploads")
+    __slots__ = ("run", "execute", "uploads", "in_place")
     RUN_FIELD_NUMBER: _ClassVar[int]
     EXECUTE_FIELD_NUMBER: _ClassVar[int]
     UPLOADS_FIELD_NUMBER: _ClassVar[int]
+    IN_PLACE_FIELD_NUMBER: _ClassVar[int]
     run: OpCall
     execute: ExecuteRequest
     uploads: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, run: _Optional[_Union[OpCall, _Mapping]] = ..., execute: _Optional[_Union[ExecuteRequest, _Mapping]] = ..., uploads: _Optional[_Iterable[str]] = ...) -> None: ...
+    in_place: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, run: _Optional[_Union[OpCall, _Mapping]] = ..., execute: _Optional[_Union[ExecuteRequest, _Mapping]] = ..., uploads: _Optional[_Iterable[str]] = ..., in_place: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Reservation(_message.Message):
     __slots__ = ("reservation", "bytes")

@@ -238,11 +238,11 @@ class AclnnService:
         if request.HasField("run"):
             placed(request.run.placements, call)
             values = decode_call(request.run, lambda ref: None)  # descriptors are enough to plan
-            holds, sizes = self.engine.reserve(call, request.uploads, request.run.op, values)
+            holds, sizes = self.engine.reserve(call, request.uploads, request.run.op, values, request.in_place)
         else:
             placed(request.execute.placements, call)
             call.executor = request.execute.executor
-            holds, sizes = self.engine.reserve(call, request.uploads)
+            holds, sizes = self.engine.reserve(call, request.uploads, in_place=request.in_place)
         reservation = self.engine.reservations.add(call.owner, call.session, holds, sizes)
         return pb.Reservation(reservation=reservation, bytes=sum(hold.nbytes for hold in holds.values()))
 
@@ -294,7 +294,11 @@ class AclnnService:
                 raise invalid_error(
                     "ref", f"attached range {start}+{r.size} lies outside the {part.nbytes} bytes attached"
                 )
-            return bytes(part[start:end]) if kept else part[start:end]
+            if kept:
+                return bytes(part[start:end])
+            if call.attached_in_place:
+                call.in_place_bytes += r.size  # held with the call while it runs (Engine._admitted)
+            return part[start:end]
         if kind == "handle":
             return self.storage.handle(call.session, call.owner, ref.handle)
         if kind == "region":

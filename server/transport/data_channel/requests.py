@@ -248,8 +248,7 @@ class Requests:
                 message, call.attachment = _attached(payload, 1 + payload[0])
                 if conn.attachment is not None:  # the attached part, where the client wrote it
                     call.attachment = conn.attachment
-                    if conn.mailbox.sealed:  # not held with the mailbox: held with the call while it runs
-                        call.in_place_bytes = conn.attachment.nbytes
+                    call.attached_in_place = conn.mailbox.sealed  # not held with the mailbox: with the call
             request = METHODS[method][0].FromString(message)
         except DecodeError:
             return self.fail(conn, status(code_pb2.INVALID_ARGUMENT, f"{method} request does not parse"))
