@@ -44,6 +44,15 @@ F_SEAL_FUTURE_WRITE = 0x0010
 HOLELESS = 32 * MIB  # a mailbox above HELD_MAILBOX_BYTES: sealed against holes, mapped whole, never held
 
 
+def others_are_served(address: str, rng: np.random.Generator, rows: tuple[int, ...]) -> None:
+    """Another tenant's calls meanwhile, one for each count of rows: answered, and exact."""
+    with Client(address) as c:
+        for count in rows:
+            p = layer_norm_call(rng, (count, 1024))
+            c.run(OP, **p)
+            check(p)
+
+
 def writable_mailbox(size: int) -> tuple[int, np.memmap]:
     """A mailbox memfd and a writable mapping of it; above HELD_MAILBOX_BYTES sealed against holes as
     the client seals it (F_SEAL_FUTURE_WRITE once mapped: writes go through this mapping only)."""
@@ -165,34 +174,6 @@ def test_a_request_over_holes_in_a_sealed_mailbox_is_refused_and_fills_nothing(s
     wait_for(lambda: ledger.held == 0 and mailbox_maps(os.getpid(), "test-region") == [])
 
 
-def test_a_large_inline_call_holds_what_it_reads_in_place_only_while_it_runs(serve, rng):
-    """The attached part of a call in a sealed mailbox is held with the call's memory as one unit: not
-    while the call waits its turn (behind another tenant's long call), and given up with the call
-    when its client disconnects meanwhile; nothing of the idle mailbox is held."""
-    served = serve(max_concurrency=1)
-    ledger = served.engine.ledger
-    p = layer_norm_call(rng, (2048, 1024))
-    call, raw = all_attached(p)
-    payload = attached_call("Run", call.SerializeToString(), raw)
-    fd, mailbox = writable_mailbox(HOLELESS)
-    mailbox[: len(payload)] = np.frombuffer(payload, np.uint8)
-    with Client(served.address) as other, concurrent.futures.ThreadPoolExecutor(1) as pool:
-        other.list_operators()
-        with unix_connect(ticket(served.address, "stall")) as sock:
-            assert pass_mailbox(sock, fd, HOLELESS) == (True, b"")
-            running = pool.submit(other.run, OP, **broadcast_call(0, rows=65536))
-            wait_for(lambda: served.engine.admission.running == 1)
-            running_holds = ledger.held
-            sock.sendall(request(CALL | ATTACHED | IN_MAILBOX, len(payload)))
-            wait_for(lambda: served.engine.admission.waiting == 1)
-            assert ledger.held == running_holds  # queued: nothing of it is held yet (its message is small)
-        running.result(timeout=60)
-    wait_for(lambda: served.engine.admission.waiting == 0 and ledger.held == 0)
-    del mailbox
-    os.close(fd)
-    wait_for(lambda: mailbox_maps(os.getpid(), "test-region") == [])
-
-
 def test_another_users_flood_of_large_inline_calls_is_held_within_its_share(serve, rng):
     """Another local user opens connections with sealed 32 MiB mailboxes and sends 8 MiB-tensor calls in
     all of them at once, again and again, and tries to punch its mailboxes: what its calls read in place
@@ -265,11 +246,7 @@ def test_another_users_flood_of_large_inline_calls_is_held_within_its_share(serv
         assert answered == 18  # every call waited its turn within the share, and ran
         assert filled == 6 * -(-calls.stat().st_size // 4096) * 4096  # its payloads' pages, none filled by the server
         assert 16 * MIB <= most[0] <= 48 * MIB and "mailbox" not in ledger.held_by_kind()
-        with Client(served.address) as c:
-            for rows in (4, 64, 2048):
-                q = layer_norm_call(rng, (rows, 1024))
-                c.run(OP, **q)
-                check(q)
+        others_are_served(served.address, rng, (4, 64, 2048))
         go.touch()
         assert attacker.wait(timeout=30) == 0
     finally:
@@ -471,11 +448,7 @@ def test_another_users_mailbox_flood_is_held_within_its_share(serve, rng):
         held = ledger.held_by("uid:65534")  # with, for a moment, its last request's copy
         assert size <= filled <= held <= 32 * MIB and ledger.held_by_kind()["mailbox"] <= 24 * MIB
         assert sorted(mailbox_maps(os.getpid(), "test-region")) == [64 << 10] * 15 + [size]
-        with Client(served.address) as c:
-            for rows in (4, 64, 64):
-                p = layer_norm_call(rng, (rows, 1024))
-                c.run(OP, **p)
-                check(p)
+        others_are_served(served.address, rng, (4, 64, 64))
         go.touch()
         assert int(attacker.stdout.readline()) == 0  # punched out once the server let go
         assert attacker.wait(timeout=30) == 0
@@ -617,25 +590,31 @@ def test_a_half_sent_attached_request_is_cut_and_given_back(serve, rng):
         assert closed_by_server(sock)
 
 
-def test_a_queued_mailbox_call_whose_client_left_lets_go_of_the_mailbox(serve, rng):
+@pytest.mark.parametrize("size", [MIB, HOLELESS], ids=["held", "sealed-against-holes"])
+def test_a_queued_mailbox_call_whose_client_left_lets_go_of_the_mailbox(serve, rng, size):
     """A call whose attached inputs are read in place in the mailbox waits behind another tenant's
-    long call; its client closes the connection: the call is given up, the mapping and its hold go."""
+    long call, holding nothing more while it waits (in a mailbox above 16 MiB what it reads is held
+    only once it runs); its client closes the connection: the call is given up, the mapping and any
+    hold go."""
     served = serve(max_concurrency=1)
     ledger = served.engine.ledger
     p = layer_norm_call(rng, (64, 1024))
     call, raw = all_attached(p)
     payload = attached_call("Run", call.SerializeToString(), raw)
-    fd = memfd(MIB)
-    os.pwrite(fd, payload, 0)
+    fd, mailbox = writable_mailbox(size)
+    mailbox[: len(payload)] = np.frombuffer(payload, np.uint8)
     with Client(served.address) as other, concurrent.futures.ThreadPoolExecutor(1) as pool:
         other.list_operators()
         with unix_connect(ticket(served.address, "s")) as sock:
-            assert pass_mailbox(sock, fd, MIB) == (True, b"")
+            assert pass_mailbox(sock, fd, size) == (True, b"")
             running = pool.submit(other.run, OP, **broadcast_call(0, rows=65536))
             wait_for(lambda: served.engine.admission.running == 1)
+            before = ledger.held
             sock.sendall(request(CALL | ATTACHED | IN_MAILBOX, len(payload)))
             wait_for(lambda: served.engine.admission.waiting == 1)
+            assert ledger.held == before  # its message is small: not held
         running.result(timeout=60)
+    del mailbox
     os.close(fd)
     wait_for(lambda: ledger.held == 0 and mailbox_maps(os.getpid(), "test-region") == [])
     assert served.engine.admission.waiting == 0
