@@ -23,6 +23,7 @@ from aclnn_common._proto import aclnn_pb2 as pb
 from aclnn_common._proto import aclnn_pb2_grpc as pb_grpc
 from aclnn_common.binding import bind
 from aclnn_common.wire import encode_call
+from aclnn_server.transport import service
 
 OP = "aclnnLayerNormBackward"
 
@@ -68,11 +69,34 @@ def test_fresh_request_ids_are_distinct_and_logged_for_both_transports(serve, ca
         ids = [stub.ListOperators.with_call(pb.Empty())[1].trailing_metadata() for _ in range(3)]
     echoed = [dict(metadata)["x-request-id"] for metadata in ids]
     assert len(set(echoed)) == 3 and all(len(i) >= 16 for i in echoed)
-    with Client(address) as c, caplog.at_level(logging.INFO, logger="aclnn_server"):
+    with Client(address) as c, caplog.at_level(logging.DEBUG, logger="aclnn_server"):
         for _ in range(3):
             c.run(OP, **layer_norm_call(rng, (2, 4)))  # over the data channel
     logged = [r.message.split()[0] for r in caplog.records if "method=Run" in r.message]
     assert len(logged) == 3 and len(set(logged)) == 3
+
+
+def test_info_logs_the_calls_that_failed_or_were_slow_and_debug_every_call(serve, caplog, rng, monkeypatch):
+    address, _, _ = serve()
+
+    def logged_at(level: int, call: dict) -> list[logging.LogRecord]:
+        caplog.clear()
+        with Client(address) as c, caplog.at_level(level, logger="aclnn_server"):
+            try:
+                c.run(OP, **call)
+            except AclnnError:
+                pass
+        return [r for r in caplog.records if "method=Run" in r.message]
+
+    good, bad = layer_norm_call(rng, (2, 4)), {**layer_norm_call(rng, (2, 4)), "normalizedShape": [5]}
+    assert logged_at(logging.INFO, good) == []
+    (line,) = logged_at(logging.DEBUG, good)
+    assert line.levelno == logging.DEBUG and "status=ACLNN_SUCCESS" in line.message
+    (line,) = logged_at(logging.INFO, bad)
+    assert line.levelno == logging.INFO and "status=ACLNN_ERR_PARAM_INVALID" in line.message
+    monkeypatch.setattr(service, "SLOW_CALL_S", 0.0)  # every call is slow
+    (line,) = logged_at(logging.INFO, good)
+    assert line.levelno == logging.INFO and "status=ACLNN_SUCCESS" in line.message
 
 
 def test_prometheus_metrics(serve, rng):
