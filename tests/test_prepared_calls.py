@@ -4,6 +4,8 @@ binding and the error table, with the same results and errors as a full call."""
 from __future__ import annotations
 
 import dataclasses
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -15,6 +17,7 @@ import aclnn_server.local
 from aclnn_client import AclnnError
 from aclnn_common.binding import bind
 from aclnn_server import Engine, LocalClient
+from aclnn_server.admission import CallAbandoned
 from aclnn_server.backends import NumpyBackend
 from aclnn_server.engine import CallContext, PlanCache
 
@@ -220,3 +223,33 @@ def test_a_changed_layout_in_process_is_refused_as_a_fresh_client_refuses_it(rng
             assert refusals[0] == refusals[1] and refusals[0][:2] == (161002, param)
             for name in OUTPUTS:
                 assert np.array_equal(p[name], before[name], equal_nan=True), name
+
+
+def test_a_prepared_call_that_holds_no_memory_still_waits_for_its_slot_and_keeps_its_deadline(counted, rng):
+    """The fast lane of a small prepared call (Admission.try_start) takes an execution slot like any
+    call: with every slot busy or a call waiting before it, it queues; past its deadline it is not run."""
+    with LocalClient("numpy", max_concurrency=1) as c:
+        p = layer_norm_call(rng, (4, 16))
+        c.run(OP, **p)  # prepared from here on
+        assert counted["bind"] == 1
+        busy = c.engine.admission.slot({"running": 0, "result": 0}, "someone else")
+        busy.__enter__()  # the only slot
+        done = threading.Event()
+        worker = threading.Thread(target=lambda: (c.run(OP, **p), done.set()))
+        worker.start()
+        try:
+            assert not done.wait(0.5), "a prepared call ran while every slot was busy"
+            assert c.engine.admission.waiting == 1
+        finally:
+            busy.__exit__(None, None, None)
+        worker.join(10)
+        assert done.is_set() and counted["bind"] == 1
+        check(p)
+        prepared = next(iter(c._prepared.values())).run
+        fresh = {k: np.zeros_like(v) for k, v in p.items() if k in OUTPUTS}
+        storage = {name: p[name] for name in prepared.plan.inputs}
+        late = CallContext(deadline=time.monotonic() - 1)
+        with pytest.raises(CallAbandoned):
+            c.engine.run_prepared(prepared, storage, fresh, late)
+        assert not any(a.any() for a in fresh.values()), "a call past its deadline wrote its outputs"
+        assert c.engine.admission.running == 0
