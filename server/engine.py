@@ -437,7 +437,8 @@ class Engine:
                 view = storage[name].view()
                 view.flags.writeable = False
                 args[name] = view
-        if not any(prepared.parts.values()) and call.reserved is None:  # holds nothing: the fast lane
+        # Holds nothing (no memory the ledger tracks, nothing read in place): the fast lane.
+        if not any(prepared.parts.values()) and call.reserved is None and not call.in_place_bytes:
             stream = _stream_key(call)
             if self.admission.try_start(call.owner, stream, call.deadline):
                 if call.holds is not None:  # what _admitted leaves for the transport: nothing held

@@ -253,3 +253,28 @@ def test_a_prepared_call_that_holds_no_memory_still_waits_for_its_slot_and_keeps
             c.engine.run_prepared(prepared, storage, fresh, late)
         assert not any(a.any() for a in fresh.values()), "a call past its deadline wrote its outputs"
         assert c.engine.admission.running == 0
+
+
+def test_a_prepared_call_reading_inputs_in_place_holds_them_while_it_runs(rng, monkeypatch):
+    """Inputs read where the client wrote them (a mailbox the ledger does not hold) are held with the
+    call while it computes, on a prepared run too: the fast lane is only for calls that hold nothing."""
+    engine = Engine("numpy")
+    p = layer_norm_call(rng, (4, 16))
+    values = bind(OP, p, frozenset(OUTPUTS)).values
+    held_while_computing = []
+    compute = NumpyBackend.compute
+
+    def watching(self, operator, plan, args):
+        held_while_computing.append(engine.ledger.held_by("tenant"))
+        return compute(self, operator, plan, args)
+
+    monkeypatch.setattr(NumpyBackend, "compute", watching)
+    for _ in range(3):  # the first validates and prepares; the others run prepared
+        call = CallContext(owner="tenant", holds=[], in_place_bytes=1 << 20)
+        engine.run(OP, values, call)
+        for hold in call.holds:
+            hold.release()
+    assert len(held_while_computing) == 3
+    in_place = sum(values[n].data.nbytes for n in ("gradOut", "input", "mean", "rstd", "weightOptional"))
+    assert all(held >= in_place for held in held_while_computing), held_while_computing
+    assert engine.ledger.held_by("tenant") == 0
