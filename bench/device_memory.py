@@ -10,6 +10,13 @@ process (`LocalClient`, outputs preallocated). Rows, medians of interleaved roun
   end) against the same calls shipping their tensors each time.
 
     .venv/bin/python bench/device_memory.py [--backend cpu] [--rows 8192 --cols 4096] [--rounds 5]
+
+`--small` times what a call on device buffers costs beyond its kernel instead: LayerNorm backward
+on 64x64 and 1024x1024 with every tensor in a device buffer, in process and through the server,
+run without a stream (it waits), run on a stream + synchronize, and calls queued on a stream with
+one synchronize after them (per call). Minimum over rounds of the median per call, in microseconds:
+
+    .venv/bin/python bench/device_memory.py --small [--backend cpu|torch] [--rounds 7] [--calls 200]
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ import statistics
 import subprocess
 import sys
 import time
+from typing import Any
 
 import numpy as np
 
@@ -55,6 +63,86 @@ def timed(fn, rounds: int) -> float:
     return statistics.median(samples)
 
 
+def resident_backward_calls(c, rows: int, cols: int) -> dict[str, Any]:
+    """LayerNorm backward with every tensor in a device buffer of client `c`: each path's callable
+    and how many calls one invocation makes."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((rows, cols), dtype=np.float32)
+    host = dict(
+        x=x,
+        dy=rng.standard_normal((rows, cols), dtype=np.float32),
+        mean=x.mean(1, keepdims=True, dtype=np.float64).astype(np.float32),
+        rstd=(1 / np.sqrt(x.var(1, keepdims=True, dtype=np.float64) + 1e-5)).astype(np.float32),
+        w=np.ones(cols, np.float32),
+        b=np.zeros(cols, np.float32),
+    )
+    shapes = dict(dx=(rows, cols), dw=(cols,), db=(cols,)) | {name: a.shape for name, a in host.items()}
+    t = {}
+    for name, shape in shapes.items():
+        buf = c.malloc(int(np.prod(shape)) * 4)
+        if name in host:
+            c.memcpy(buf, host[name])
+        t[name] = tensor(buf, shape)
+    params = dict(gradOut=t["dy"], input=t["x"], mean=t["mean"], rstd=t["rstd"], normalizedShape=[cols],
+                  weightOptional=t["w"], biasOptional=t["b"], outputMask=[True, True, True],
+                  gradInputOut=t["dx"], gradWeightOut=t["dw"], gradBiasOut=t["db"])  # fmt: skip
+    queued = 10
+
+    def run_waited() -> None:
+        c.run("aclnnLayerNormBackward", **params)
+
+    def run_and_synchronize() -> None:
+        c.run("aclnnLayerNormBackward", stream=1, **params)
+        c.synchronize(1)
+
+    def run_queued() -> None:
+        for _ in range(queued):
+            c.run("aclnnLayerNormBackward", stream=1, **params)
+        c.synchronize(1)
+
+    return {
+        "run without a stream": (run_waited, 1),
+        "run on a stream + synchronize": (run_and_synchronize, 1),
+        f"{queued} queued on a stream + 1 synchronize, per call": (run_queued, queued),
+    }
+
+
+def small_calls(options: argparse.Namespace) -> int:
+    """The per-call cost of calls on device buffers, in process against through a server process."""
+    proc, address = start_server(options.backend)
+    local, remote = LocalClient(options.backend), Client(address)
+    try:
+        print(f"backend {options.backend}; LayerNorm backward, every tensor in a device buffer; "
+              f"min over {options.rounds} rounds of the median of {options.calls} calls; us per call")  # fmt: skip
+        print(f"{'size':<10} {'path':<52} {'in process':>10} {'server':>9} {'server-in':>9} {'ratio':>6}")
+        for size in (64, 1024):
+            calls = {
+                where: resident_backward_calls(client, size, size)
+                for where, client in (("in process", local), ("server", remote))
+            }
+            samples: dict[tuple[str, str], list[float]] = {}
+            for _ in range(options.rounds):  # interleaved: each round times every path on both sides
+                for where, paths in calls.items():
+                    for name, (fn, count) in paths.items():
+                        fn()  # warm
+                        times = []
+                        for _ in range(max(1, options.calls // count)):
+                            started = time.perf_counter()
+                            fn()
+                            times.append((time.perf_counter() - started) / count)
+                        samples.setdefault((where, name), []).append(statistics.median(times))
+            for name in calls["server"]:
+                local_us, server_us = (min(samples[(where, name)]) * 1e6 for where in ("in process", "server"))
+                print(f"{size}x{size:<5} {name:<52} {local_us:10.0f} {server_us:9.0f} "
+                      f"{server_us - local_us:9.0f} {server_us / local_us:6.2f}")  # fmt: skip
+    finally:
+        remote.close()
+        local.close()
+        proc.terminate()
+        proc.wait()
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backend", default="cpu")
@@ -62,7 +150,11 @@ def main() -> int:
     parser.add_argument("--cols", type=int, default=4096)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--chain", type=int, default=4, help="forward+backward pairs in the chain")
+    parser.add_argument("--small", action="store_true", help="the per-call overhead on small device-buffer calls")
+    parser.add_argument("--calls", type=int, default=200, help="--small: calls per path and round")
     options = parser.parse_args()
+    if options.small:
+        return small_calls(options)
     rows, cols = options.rows, options.cols
     rng = np.random.default_rng(0)
     x = rng.standard_normal((rows, cols), dtype=np.float32)

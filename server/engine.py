@@ -269,6 +269,7 @@ class Engine:
         with self._lock:
             self._closed = True
             backend = self._backend
+        self.streams.close()
         if self._owns_backend or backend_too:
             _close(backend)
 
