@@ -579,7 +579,18 @@ class Engine:
                 self.buffers.done(buffers)
         key = (call.owner, call.session, call.stream)
         done = functools.partial(self.buffers.done, buffers, queued)
-        return self.streams.call(key, work, done, wait=not queued, deadline=call.deadline) or {}
+        launch = queued and self._launches(operator)
+        return self.streams.call(key, work, done, wait=not queued, deadline=call.deadline, launch=launch) or {}
+
+    def _launches(self, operator: Operator) -> bool:
+        """Whether the backend computes a call on its device memory by launching it on the client
+        stream's device stream, returning before it ran (the NPU; torch on CUDA)."""
+        backend = self.backend
+        return (
+            getattr(backend, "launches_resident", False)
+            and getattr(backend, "compute_resident", None) is not None
+            and getattr(backend, "supports", lambda op: True)(operator.name)
+        )
 
     def _run_resident(
         self,

@@ -10,7 +10,10 @@ thread of its own: a tenant's busy stream never waits for another's. A queued ca
 failure on the stream, and later calls queued there are skipped (their inputs may be the failed
 call's outputs) until the failure surfaces, once: at the stream's synchronize, or at the next call
 made on it. A call whose caller waits for its result (outputs to send back) runs in its turn too,
-on the caller's thread when the stream is idle.
+on the caller's thread when the stream is idle. So does a queued call that only launches work on
+a device stream (`launch`: the backend's device orders it and the caller is not held up by the
+kernel), as CANN's aclnnX launches on its caller's thread; its failure stays on the stream like
+any queued call's.
 """
 
 from __future__ import annotations
@@ -72,20 +75,27 @@ class StreamQueues:
         return key in self._streams  # idle streams leave the table
 
     def call(
-        self, key: StreamKey, work: Callable[[], Any], done: Callable[[], None], wait: bool, deadline: float | None
+        self,
+        key: StreamKey,
+        work: Callable[[], Any],
+        done: Callable[[], None],
+        wait: bool,
+        deadline: float | None,
+        launch: bool = False,
     ) -> Any:
         """Runs `work` after the stream's earlier calls; `done` runs once it ran or was dropped.
 
         `wait`: the caller gets its result or failure. Otherwise it is queued (None at once) and a
-        failure stays on the stream. Either way the stream's earlier failure, if any, is raised
-        instead, and the call is not made.
+        failure stays on the stream; `launch`: such a call only launches device work, and runs on
+        the caller's thread when the stream is idle. Either way the stream's earlier failure, if
+        any, is raised instead, and the call is not made.
         """
         try:
             with self._cond:
                 stream = self._stream(key)
                 if stream.failure is not None:
                     raise self._report(key, stream)
-                inline = wait and not stream.busy and not stream.items
+                inline = (wait or launch) and not stream.busy and not stream.items
                 if inline:
                     stream.busy = True
                 else:
@@ -99,6 +109,16 @@ class StreamQueues:
         except BaseException:
             done()
             raise
+        if inline and not wait:  # launched here; a failure is the stream's, as a queued call's
+            try:
+                work()
+            except BaseException as exc:
+                with self._cond:
+                    stream.failure = exc
+            finally:
+                done()
+                self._finish(key, stream)
+            return None
         if inline:
             try:
                 return work()

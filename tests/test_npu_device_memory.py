@@ -86,7 +86,7 @@ def launches(fake, start: int = 0) -> list[int]:
 
 
 def wait_for_launches(fake, count: int) -> None:
-    """Queued calls are launched by the engine's stream workers: waits until `count` were launched."""
+    """Calls queued behind others are launched by the engine's stream workers: waits until `count` were launched."""
     deadline = time.monotonic() + 10
     while fake.calls(LN) < count:
         assert time.monotonic() < deadline, "the queued calls were never launched"
@@ -121,6 +121,25 @@ def test_a_chain_on_device_memory_copies_nothing_and_never_waits(fake, npu_backe
         line for line in log[first_sync:] if line.startswith("kernel ")
     ]
     assert fake.calls("aclrtMemcpy") == copies
+    ln.check()
+    c.close()
+
+
+@pytest.mark.parametrize("transport", ["data-channel", "grpc", "local"])
+def test_a_call_on_an_idle_stream_is_launched_before_run_returns(fake, npu_backend, npu_address, rng, transport):
+    """As aclnnX launches on its caller's thread: the server launches it while the caller waits for
+    the reply (no hand-off to a stream worker), and nobody waits for the kernel."""
+    c = LocalClient(npu_backend) if transport == "local" else Client(npu_address, data_channel=transport != "grpc")
+    x = rng.uniform(-2, 2, (ROWS, COLS)).astype(np.float32)
+    ln = LayerNormOnDevice(c, x)
+    c.synchronize()
+    launched, queued, syncs = fake.calls(LN), fake.queued(), fake.calls("aclrtSynchronizeStream")
+    for i in range(3):
+        ln.run(stream=2)
+        assert fake.calls(LN) == launched + i + 1  # launched when run returned
+    assert fake.queued() == queued + 3 and fake.calls("aclrtSynchronizeStream") == syncs  # none ran yet
+    c.synchronize(2)
+    assert fake.queued() == queued
     ln.check()
     c.close()
 

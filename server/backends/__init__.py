@@ -20,7 +20,9 @@ class Backend(Protocol):
     `device_memory()` (its DeviceMemory for device buffers, server/buffers.py);
     `compute_resident(operator, plan, {name: (block, byte offset)}, stream)` (a call whose tensors
     all live in its device memory, computed there); `synchronize(stream)` (waits for what it
-    launched without waiting); `end_session(owner, session)`; `accepts_stream` (compute takes
+    launched without waiting); `launches_resident` (compute_resident on a client stream returns
+    once its work is queued on a device stream, which orders it: the engine then launches such a
+    call on its caller's thread); `end_session(owner, session)`; `accepts_stream` (compute takes
     `stream=`); and `prepare(operator, plan)` (`compute` of that plan as a function of its args,
     with what depends on the plan alone done once: see Engine.prepare; a backend without it runs
     every call in full). `stream` is the client stream's key (identity, session, stream id), or

@@ -124,6 +124,11 @@ class TorchBackend:
             else:
                 memory.launched(blocks, cuda_stream)
 
+    @property
+    def launches_resident(self) -> bool:
+        """compute_resident on a client stream launches on its CUDA stream and returns (not on the cpu device)."""
+        return self.streams.cuda
+
     def device_memory(self) -> TorchMemory:
         """Device buffers as uint8 tensors on the device (memory.py)."""
         if self._memory is None:
