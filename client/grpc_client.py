@@ -151,7 +151,7 @@ class Client(BaseClient):
         self._transfers = _Transfers(self)
         # Run requests whose tensors all travel attached, by layout: the same layout encodes to the same
         # message (descriptors, attached ranges, placements), so it is built once (~60 us of Python).
-        self._layouts: dict[tuple, pb.OpCall] = {}
+        self._layouts: dict[tuple, tuple[pb.OpCall, bool]] = {}
         self._layouts_lock = threading.Lock()
         self._device_home: int | None = None  # the backend holding this client's device memory
 
@@ -347,9 +347,10 @@ class Client(BaseClient):
                 layout = self._layout_key(replica, call, views)
                 known = self._layouts.get(layout) if layout is not None else None
                 if known is not None:
-                    staging.attach(views)  # at the same offsets as when it was built: same sizes, same order
+                    if known[1]:
+                        staging.attach(views)  # at the same offsets as when it was built: same sizes, same order
                     request = pb.OpCall()
-                    request.CopyFrom(known)  # gRPC, if it must carry it, folds the bytes into the copy
+                    request.CopyFrom(known[0])  # gRPC, if it must carry it, folds the bytes into the copy
                     return request
                 request = encode_call(call.op, call.values, storage=False)
                 staging.place(replica, sizes, request.placements)
@@ -360,8 +361,8 @@ class Client(BaseClient):
                     else:
                         request.params[name].tensor.ref.CopyFrom(data)
                 request.reservation = staging.reservation
-                if layout is not None and staging.all_attached:
-                    self._remember_layout(layout, request)
+                if layout is not None and (staging.all_attached or not (views or sizes)):  # or all on device
+                    self._remember_layout(layout, request, attached=staging.attachments is not None)
                 return request
 
             replica = self._pinned(call.values)
@@ -376,16 +377,18 @@ class Client(BaseClient):
 
     def _layout_key(self, replica: int, call: BoundCall, views: Mapping[str, memoryview]) -> tuple | None:
         """What a Run request's encoding depends on, when it may be one kept (tensors attached over the
-        data channel: no shared memory, nothing on device); None otherwise, or for an unhashable value.
-        Scalars are keyed by type and bits (1, True and 1.0, or 0.0 and -0.0, encode differently)."""
+        data channel, or in device buffers, keyed by buffer and offset: no shared memory); None
+        otherwise, or for an unhashable value. Scalars are keyed by type and bits (1, True and 1.0,
+        or 0.0 and -0.0, encode differently)."""
         if self._shared_memory or not self._transfers.attaches(replica):
             return None
         key: list[object] = [replica, call.op, self._transfers.max_inline_bytes(replica)]
         for name, value in call.values.items():
             if isinstance(value, Tensor):
                 if isinstance(value.data, DeviceBuffer):
-                    return None
-                size = views[name].nbytes if name in views else -1 if value.data is None else -2
+                    size: object = ("device", value.data.id, value.data.offset)
+                else:
+                    size = views[name].nbytes if name in views else -1 if value.data is None else -2
                 key.append((name, value.view_dims, value.data_type, value.strides, value.offset, value.format,
                             value.storage_dims, size))  # fmt: skip
             elif isinstance(value, float):
@@ -399,13 +402,14 @@ class Client(BaseClient):
             return None
         return layout
 
-    def _remember_layout(self, layout: tuple, request: pb.OpCall) -> None:
+    def _remember_layout(self, layout: tuple, request: pb.OpCall, attached: bool) -> None:
+        """Keeps a request by its layout; `attached`: its tensors' bytes travel attached beside it."""
         known = pb.OpCall()
         known.CopyFrom(request)
         with self._layouts_lock:
             if len(self._layouts) >= _LAYOUTS:
                 del self._layouts[next(iter(self._layouts))]  # the oldest
-            self._layouts[layout] = known
+            self._layouts[layout] = (known, attached)
 
     def _regions_kept(self, attempt: Callable[[], None]) -> None:
         """Runs a call; when a server lost this session's regions (it restarted, or the lease lapsed),

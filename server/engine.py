@@ -346,11 +346,14 @@ class Engine:
     ) -> tuple[int, dict[str, np.ndarray]]:
         call = call or CallContext()
         prepared = self._prepared_run(op, values, call)
-        if prepared is not None and not self._ordered(call) and not self._resident(prepared.plan, values):
-            storage = {name: values[name].data for name in prepared.plan.inputs}
-            return prepared.workspace_size, self._run_prepared(prepared, storage, destinations, call, checked=True)
-        operator, plan, workspace_size = self._plan(op, values, call)
+        if prepared is None:
+            operator, plan, workspace_size = self._plan(op, values, call)
+        else:  # its plan, checked against the budget with this backend's workspace when it was prepared
+            operator, plan, workspace_size = prepared.operator, prepared.plan, prepared.workspace_size
         resident = self._resident(plan, values)
+        if prepared is not None and not self._ordered(call) and not resident:
+            storage = {name: values[name].data for name in plan.inputs}
+            return workspace_size, self._run_prepared(prepared, storage, destinations, call, checked=True)
         args = self._bind_inputs(operator, plan, {name: values[name].data for name in plan.inputs}, {})
         if not resident and not self._ordered(call):
             with self._admitted(plan, workspace_size, call):

@@ -6,7 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from layer_norm_cases import layer_norm_call
+from oracle import assert_close
 from test_data_channel import OP, OUTPUTS, check
+from test_device_memory import layer_norm_reference, on_device
 
 from aclnn_client import AclnnError, Client
 from aclnn_common._proto import aclnn_pb2 as pb
@@ -49,6 +51,43 @@ def test_a_refused_layout_is_refused_again_exactly_and_writes_nothing(serve, rng
                 assert (p[name] == 7.0).all(), name
         assert len(c._layouts) == 1
         assert refusals[0] == refusals[1] and refusals[0][0] == 161002
+
+
+def test_a_call_on_device_buffers_reuses_its_request_keyed_by_buffer_and_offset(serve, rng):
+    """Every tensor in a device buffer (or a host output beside them): the request is kept per layout and
+    buffers; other buffers, or other offsets, make another; a freed buffer is refused as before."""
+    served = serve()
+    rows, cols = 4, 16
+    with Client(served.address) as c:
+
+        def layer_norm(x: np.ndarray, at: int, y=None, stream=None) -> np.ndarray:
+            buf = bufs[at]
+            c.memcpy(buf, x)
+            stats = buf + 2 * x.nbytes
+            y_tensor = on_device(buf + x.nbytes, x.shape) if y is None else y
+            c.run("aclnnLayerNorm", input=on_device(buf, x.shape), normalizedShape=[cols], eps=1e-5, out=y_tensor,
+                  meanOutOptional=on_device(stats, (rows, 1)), rstdOutOptional=on_device(stats + 4 * rows, (rows, 1)),
+                  stream=stream)  # fmt: skip
+            c.synchronize(stream)
+            if y is None:
+                y = np.empty_like(x)
+                c.memcpy(y, buf + x.nbytes)
+            assert_close(y, layer_norm_reference(x, x, np.ones(cols), np.zeros(cols))[0], "out")
+
+        bufs = [c.malloc(4 * (2 * rows * cols + 2 * rows)) for _ in range(2)]
+        for stream in (None, 1, None):  # the stream travels beside the request, not in it
+            layer_norm(rng.uniform(-2, 2, (rows, cols)).astype(np.float32), 0, stream=stream)
+        assert len(c._layouts) == 1
+        layer_norm(rng.uniform(-2, 2, (rows, cols)).astype(np.float32), 1)  # other buffers
+        assert len(c._layouts) == 2
+        for _ in range(2):  # a host output beside device inputs: attached over the data channel
+            layer_norm(rng.uniform(-2, 2, (rows, cols)).astype(np.float32), 1, y=np.empty((rows, cols), np.float32))
+        assert len(c._layouts) == 3
+        c.free(bufs[0])
+        with pytest.raises(AclnnError) as refused:  # the kept request names a buffer that is gone
+            c.run("aclnnLayerNorm", input=on_device(bufs[0], (rows, cols)), normalizedShape=[cols], eps=1e-5,
+                  out=on_device(bufs[0] + 4 * rows * cols, (rows, cols)))  # fmt: skip
+        assert refused.value.code == 161002 and "freed" in refused.value.message, refused.value
 
 
 def test_layout_keys_tell_scalars_apart_by_type_and_bits(serve):
