@@ -182,6 +182,7 @@ class Engine:
         self.reservations = Reservations()
         self._plans = PlanCache()
         self._prepared = Recent()  # prepared runs (PreparedRun) by plan key and placements
+        self._workspaces = Recent()  # (backend, its workspace size, within the budget) by plan key
         self.buffers = BufferStore(self.ledger, self._device_memory)
         self.streams = StreamQueues()
 
@@ -761,10 +762,25 @@ class Engine:
             if key is not None:
                 self._plans.put(key, validated)
         operator, plan = validated
-        workspace_size = self.backend.workspace_size(operator, plan)
-        self._check_budget(plan, workspace_size)
+        workspace_size = self._workspace(key, operator, plan)
         call.validation_s += time.perf_counter() - started
         return operator, plan, workspace_size
+
+    def _workspace(self, key: Hashable | None, operator: Operator, plan: Plan) -> int:
+        """The backend's workspace for a plan, checked against the budget: once per plan key and backend
+        (both are functions of the layout), except on a backend that asks its device each time (the
+        NPU: CANN's GetWorkspaceSize, whose failure each call reports as CANN would)."""
+        backend = self.backend
+        if getattr(backend, "plans_on_device", False):
+            key = None
+        known = self._workspaces.get(key) if key is not None else None
+        if known is not None and known[0] is backend:
+            return known[1]
+        workspace_size = backend.workspace_size(operator, plan)
+        self._check_budget(plan, workspace_size)
+        if key is not None:
+            self._workspaces.put(key, (backend, workspace_size))
+        return workspace_size
 
     @staticmethod
     def _validate(op: str, values: Mapping[str, Value]) -> tuple[Operator, Plan]:

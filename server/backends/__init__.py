@@ -22,7 +22,8 @@ class Backend(Protocol):
     all live in its device memory, computed there); `synchronize(stream)` (waits for what it
     launched without waiting); `launches_resident` (compute_resident on a client stream returns
     once its work is queued on a device stream, which orders it: the engine then launches such a
-    call on its caller's thread); `end_session(owner, session)`; `accepts_stream` (compute takes
+    call on its caller's thread); `plans_on_device` (workspace_size asks the device library, for
+    every call: the engine never keeps its answer); `end_session(owner, session)`; `accepts_stream` (compute takes
     `stream=`); and `prepare(operator, plan)` (`compute` of that plan as a function of its args,
     with what depends on the plan alone done once: see Engine.prepare; a backend without it runs
     every call in full). `stream` is the client stream's key (identity, session, stream id), or

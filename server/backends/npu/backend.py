@@ -254,6 +254,7 @@ class NpuBackend:
     name = "npu"
     accepts_stream = True  # compute(..., stream=<client stream key>) runs on the ACL stream lent to it
     launches_resident = True  # compute_resident on a client stream launches on its ACL stream, not waited for
+    plans_on_device = True  # workspace_size is CANN's GetWorkspaceSize: asked for each call, never cached
 
     def __init__(
         self,
