@@ -114,6 +114,11 @@ class Admission:
         with self._lock:
             self._finished(owner, stream)
 
+    def would_start(self, stream: Hashable | None) -> bool:
+        """Whether a call on `stream` would take a slot at once now (nobody waits, a slot is free): a hint."""
+        with self._lock:
+            return not self._queues and self._slot_free(stream)
+
     def hold(
         self,
         parts: Parts,

@@ -583,12 +583,14 @@ class Engine:
                 self.buffers.done(buffers)
         key = (call.owner, call.session, call.stream)
         done = functools.partial(self.buffers.done, buffers, queued)
-        launch = queued and self._launches(operator)
+        launch = queued and self._launches(operator) and self.admission.would_start(key)
         return self.streams.call(key, work, done, wait=not queued, deadline=call.deadline, launch=launch) or {}
 
     def _launches(self, operator: Operator) -> bool:
         """Whether the backend computes a call on its device memory by launching it on the client
-        stream's device stream, returning before it ran (the NPU; torch on CUDA)."""
+        stream's device stream, returning before it ran (the NPU; torch on CUDA). Such a call is
+        launched by its caller when an execution slot is free (else its caller would wait for one
+        before its reply, and the stream's worker launches it)."""
         backend = self.backend
         return (
             getattr(backend, "launches_resident", False)
