@@ -144,6 +144,21 @@ def test_a_call_on_an_idle_stream_is_launched_before_run_returns(fake, npu_backe
     c.close()
 
 
+def test_a_call_finding_no_free_slot_is_launched_by_its_stream_worker(fake, npu_backend, rng):
+    """Its caller does not wait for an execution slot: the call is queued, and launched once one frees."""
+    c = LocalClient(npu_backend, max_concurrency=1)
+    ln = LayerNormOnDevice(c, rng.uniform(-2, 2, (ROWS, COLS)).astype(np.float32))
+    c.synchronize()
+    launched = fake.calls(LN)
+    with c.engine.admission.slot({}):  # another call's execution
+        ln.run(stream=2)
+        assert fake.calls(LN) == launched
+    wait_for_launches(fake, launched + 1)
+    c.synchronize(2)
+    ln.check()
+    c.close()
+
+
 def test_transfers_wait_for_the_launches_queued_on_their_buffers(fake, npu_backend, rng):
     """A read sees what queued calls wrote; a write lands after the queued calls that read the old bytes."""
     c = LocalClient(npu_backend)
