@@ -366,7 +366,10 @@ class DataChannel:
         if size > MAILBOX_MAX_BYTES or conn.mailbox_refused:
             return None
         size = max(_MAILBOX_START_BYTES, 1 << (size - 1).bit_length())
-        mailbox = Region(size, "aclnn-mailbox", holeless=size > HELD_MAILBOX_BYTES)
+        try:
+            mailbox = Region(size, "aclnn-mailbox", holeless=size > HELD_MAILBOX_BYTES)
+        except OSError:  # no memory for it now, or a kernel before Linux 5.1 (no F_SEAL_FUTURE_WRITE)
+            return None  # this payload goes through the socket
         try:
             self._register_mailbox(conn, mailbox, timeout)
         except AclnnError as error:

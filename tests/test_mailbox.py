@@ -299,3 +299,21 @@ def test_mailbox_requests_are_framed_like_any_other(serve):
         assert closed_by_server(sock)
     with Client(served.address) as c:
         c.list_operators()
+
+
+def test_a_mailbox_this_host_cannot_make_leaves_the_payload_to_the_socket(serve, rng, monkeypatch):
+    """A mailbox above HELD_MAILBOX_BYTES is sealed with F_SEAL_FUTURE_WRITE, which kernels before Linux
+    5.1 refuse (EINVAL): the call's bytes then go through the socket, and the call is served."""
+    import aclnn_client.regions
+
+    monkeypatch.setattr(aclnn_client.regions, "F_SEAL_FUTURE_WRITE", 1 << 20)  # a seal no kernel knows
+    served = serve()
+    with Client(served.address) as c:
+        p = layer_norm_call(rng, (4096, 1024))  # two 16 MiB tensors inline: a 64 MiB mailbox asked for
+        c.run(OP, **p)
+        check(p)
+        assert mailbox_maps(os.getpid()) == []
+        p = layer_norm_call(rng, (256, 1024))  # a 4 MiB mailbox, held, is made as before
+        c.run(OP, **p)
+        check(p)
+        assert mailbox_maps(os.getpid()) == [4 * MIB, 4 * MIB]
