@@ -74,6 +74,11 @@ class Metrics:
         for kind in ("message", "request", "call", "upload", "result", "executor", "region", "buffer", "mailbox"):
             by_kind.labels(kind).set_function(lambda kind=kind: held_by_kind().get(kind, 0))
 
+    def track_admission(self, running: Callable[[], int], waiting: Callable[[], int]) -> None:
+        """Executions running (each holds a slot of --max-concurrency) and queued for one."""
+        Gauge("aclnn_running_calls", "Calls executing now", registry=self.registry).set_function(running)
+        Gauge("aclnn_queued_calls", "Calls waiting for an execution slot", registry=self.registry).set_function(waiting)
+
     def track_buffers(self, live_buffers: Callable[[], int]) -> None:
         """Device buffers alive (their bytes are the ledger's kind `buffer`)."""
         live = Gauge("aclnn_device_buffers", "Device buffers alive on this server", registry=self.registry)

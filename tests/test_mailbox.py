@@ -8,14 +8,13 @@ import fcntl
 import os
 import select
 import socket
-import time
 
 import grpc
 import numpy as np
 import pytest
 from layer_norm_cases import layer_norm_call
 from test_data_channel import KEEPALIVE, error_of, reply, request, ticket
-from test_processes import broadcast_call
+from test_processes import broadcast_call, free_port, gauge
 from test_shared_memory import (
     OP,
     OUTPUTS,
@@ -259,7 +258,8 @@ def test_the_server_reads_a_copy_of_the_request_not_the_mailbox(serve, rng, rows
 def test_a_call_given_up_on_leaves_its_mailbox_to_no_one(rng):
     """The server reads a mailbox once, when the request arrives, and never writes it: a call given
     up on (at the client's deadline or the server's) changes no later call, and leaks no mailbox."""
-    proc, address = start_server("--port", "0", "--max-concurrency", "1")
+    metrics_port = free_port()
+    proc, address = start_server("--port", "0", "--max-concurrency", "1", "--metrics-port", str(metrics_port))
     try:
         with Client(address, unix_socket=False) as other, Client(address, timeout=0.4) as c:
             p = layer_norm_call(rng, (64, 1024))
@@ -269,7 +269,7 @@ def test_a_call_given_up_on_leaves_its_mailbox_to_no_one(rng):
             other.list_operators()
             with concurrent.futures.ThreadPoolExecutor(1) as pool:
                 running = pool.submit(other.run, OP, **broadcast_call(0, rows=262144))
-                time.sleep(0.3)
+                wait_for(lambda: gauge(metrics_port, "aclnn_running_calls") == 1)  # it holds the only slot
                 late = layer_norm_call(rng, (64, 1024))
                 with pytest.raises(AclnnError) as raised:
                     c.run(OP, **late)  # queued behind the long call until the deadline

@@ -120,6 +120,7 @@ def test_prometheus_metrics(serve, rng):
         assert f'phase="{phase}"' in text
     assert "aclnn_live_executors 1.0" in text
     assert "aclnn_received_bytes_total" in text and "aclnn_in_flight_calls" in text
+    assert "aclnn_running_calls 0.0" in text and "aclnn_queued_calls 0.0" in text  # all done
 
 
 def wait_until(condition, timeout: float = 10.0) -> None:

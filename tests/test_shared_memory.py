@@ -12,7 +12,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 
 import grpc
 import numpy as np
@@ -230,8 +229,7 @@ def test_a_late_call_never_writes_into_a_reused_region(serve, rng):
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             other.list_operators()
             running = pool.submit(other.run, OP, **long_call)
-            wait_for(lambda: served.server.metrics.in_flight._value.get() == 1)
-            time.sleep(0.1)
+            wait_for(lambda: served.engine.admission.running == 1)  # it holds the only slot
             late = layer_norm_call(rng, (64, 1024))
             with pytest.raises(AclnnError) as raised:
                 c.run(OP, **late)  # queued behind the long call until the client's deadline

@@ -301,6 +301,7 @@ class AclnnServer:
         )
         self.metrics.track_memory(lambda: engine.ledger.held, engine.ledger.held_by_kind, engine.ledger.budget_bytes)
         self.metrics.track_buffers(lambda: len(engine.buffers))
+        self.metrics.track_admission(lambda: engine.admission.running, lambda: engine.admission.waiting)
         self.health = health.HealthServicer(experimental_non_blocking=True)
         # Calls other than health checks: one per admitted or queued execution, plus a few cheap ones
         # (plans, uploads); beyond them RESOURCE_EXHAUSTED at once. Health checks have threads of their own.
