@@ -183,13 +183,11 @@ def test_idle_connections_are_reaped_and_clients_reconnect(serve, rng):
 
 def test_a_closed_connection_cancels_its_queued_call(serve, rng):
     served = serve(max_concurrency=1)
-    in_flight = served.server.metrics.in_flight._value.get
     long_call = broadcast_call(0, rows=262144)  # over a second of compute on one slot
     with Client(served.address) as c, concurrent.futures.ThreadPoolExecutor(1) as pool:
         c.list_operators()
         running = pool.submit(c.run, OP, **long_call)
-        wait_for(lambda: in_flight() == 1)
-        time.sleep(0.1)  # admitted: it holds the only slot
+        wait_for(lambda: served.engine.admission.running == 1)  # admitted: it holds the only slot
         p = layer_norm_call(rng, (8, 64))
         bound = bind(OP, p, c._output_names(OP))  # the call as the client encodes it, sent by hand
         call = encode_call(OP, bound.descriptors())
@@ -199,7 +197,7 @@ def test_a_closed_connection_cancels_its_queued_call(serve, rng):
         with connect(ticket(served.address)) as sock:
             assert reply(sock)[0]
             sock.sendall(request(CALL, len(payload)) + payload)
-            wait_for(lambda: in_flight() == 2)  # queued behind the long call
+            wait_for(lambda: served.engine.admission.waiting == 1)  # queued behind the long call
         # Closed while queued: the call is dropped at once, it never runs.
         cancelled = served.server.metrics.requests.labels("Run", OP, "CANCELLED")._value.get
         wait_for(lambda: cancelled() == 1, timeout=1.0)
