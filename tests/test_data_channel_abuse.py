@@ -264,8 +264,11 @@ def test_accept_loop_survives_running_out_of_descriptors(tmp_path, rng):
             c.run(OP, **p)
             assert c._data_channel(0) is not None
         check(p)
-        assert "accepts connections again" in log.read_text()
-        assert log.read_text().count("cannot accept connections") == 1  # one warning per episode
+        # One warning per episode and one when it ends, not one per refused accept (a retry every 0.1 s).
+        # The flood's backlog, draining, can start a second episode: each accepted connection holds a
+        # descriptor until the server reads its end.
+        said = re.findall(r"cannot accept connections|accepts connections again", log.read_text())
+        assert said and said == ["cannot accept connections", "accepts connections again"] * (len(said) // 2), said
     finally:
         proc.kill()
         proc.wait()

@@ -59,6 +59,44 @@ def test_silent_uploads_hold_their_identitys_share_of_the_workers_until_their_pa
     wait_for(lambda: served.engine.ledger.held == 0)
 
 
+def test_two_identities_keeping_the_pace_leave_a_worker_for_a_third(serve, tmp_path):
+    """Two identities whose transfers hold their workers (stalled uploads here; uploads that keep the
+    minimum pace hold them as long as they like) cannot take every worker: one that holds some takes
+    another only while more than the few kept for identities holding none are free, so a third
+    identity is served at once, while the stalled uploads still stand."""
+    tokens = tmp_path / "tokens"
+    tokens.write_text("alice\nbob\ncarol\n")
+    served = serve(
+        auth_token_file=tokens,
+        max_concurrency=1,
+        max_queue=3,  # 8 data-channel workers: 4 for one identity, 1 kept for identities holding none
+        data_handshake_timeout_s=4.0,  # the stalled uploads' grace
+        memory_budget_bytes=4 << 30,
+    )
+    channel = served.server.data_channel
+    stalled = []
+    try:
+        for token in ("alice", "bob"):
+            offer = ticket(served.address, token, token=token)
+            for _ in range(6):
+                stalled.append(connect(offer))
+                assert reply(stalled[-1])[0]  # admitted while workers are free
+        carol = ticket(served.address, "carol", token="carol")
+        for sock in stalled:
+            sock.sendall(request(UPLOAD, 64 * MIB))  # 64 MiB announced, none sent
+        wait_for(lambda: channel._busy_total >= 7, timeout=1.0)  # alice 4, bob 3: 1 worker free
+        started = time.monotonic()
+        with connect(carol) as sock:  # its handshake needs a worker too
+            assert reply(sock)[0]
+            assert answers_keepalive(sock)
+        assert time.monotonic() - started < 2.0  # not once the stalled uploads are cut, after 4 s
+        assert not any(closed_by_server(sock, 0.0) for sock in stalled)  # they all still stand
+    finally:
+        for sock in stalled:
+            sock.close()
+    wait_for(lambda: served.engine.ledger.held == 0)
+
+
 def test_a_reply_nobody_reads_is_cut_off_at_its_pace(serve, rng):
     """A download (and any reply) whose reader stopped holds its worker and memory only until it falls
     behind the minimum pace, on the data channel."""

@@ -119,9 +119,14 @@ class DataChannelServer:
         self._handshaking = 0
         self._admitted = 0
         self._per_identity: collections.Counter[str | None] = collections.Counter()
-        # Workers serving each identity's requests now, and its requests waiting for one of its own.
+        # Workers serving each identity's requests now, and its requests waiting for one of its own. An
+        # identity holds at most half of them, and one that holds some takes another only while more
+        # than _kept_free stay free: those are for identities that hold none, so that tenants whose
+        # transfers keep the minimum pace cannot leave a newcomer without a worker (two used to).
         self._workers_per_identity = max(1, limits.workers // 2)
+        self._kept_free = max(1, limits.workers // 8)
         self._busy: collections.Counter[str | None] = collections.Counter()
+        self._busy_total = 0
         self._parked: dict[str | None, collections.deque[tuple[Connection, tuple[int, int, int, int, int]]]] = {}
         self._lock = threading.Lock()
         self._stopping = False
@@ -356,15 +361,20 @@ class DataChannelServer:
     ) -> tuple[bool, tuple[Connection, tuple[int, int, int, int, int]] | None]:
         """Serves a whole request on this worker, within its identity's share of the workers (a request
         may hold one for a while: waiting in the queue, an upload's bytes, a reply a slow peer reads).
-        Returns (False, None) when the identity has its share busy: the request is parked, for the next
-        of its workers to finish. Else (True, the identity's next parked request, which this worker serves
+        Returns (False, None) when the identity has its share busy, or holds some while only the
+        workers kept for identities holding none are free: the request is parked, for the next of its
+        workers to finish. Else (True, the identity's next parked request, which this worker serves
         next: its count stays taken)."""
         owner = conn.owner
         with self._lock:
-            if self._busy[owner] >= self._workers_per_identity:
+            busy = self._busy[owner]
+            if busy >= self._workers_per_identity or (
+                busy and self.limits.workers - self._busy_total <= self._kept_free
+            ):
                 self._parked.setdefault(owner, collections.deque()).append((conn, header))
                 return False, None
             self._busy[owner] += 1
+            self._busy_total += 1
         try:
             self._requests.serve(conn, *header)
         except BaseException:
@@ -382,6 +392,7 @@ class DataChannelServer:
                     del self._parked[owner]
                 return parked
             self._busy[owner] -= 1
+            self._busy_total -= 1
             if not self._busy[owner]:
                 del self._busy[owner]
             return None
