@@ -104,10 +104,7 @@ class Admission:
         if deadline is not None and time.monotonic() >= deadline:
             return False
         with self._lock:
-            if self._queues or not self._slot_free(stream):
-                return False
-            self._started(owner, stream)
-            return True
+            return self._start_now(owner, {}, stream, needs_slot=True) is not None
 
     def finish(self, owner: str | None, stream: Hashable | None) -> None:
         """Ends a slot `try_start` gave."""

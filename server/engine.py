@@ -374,9 +374,8 @@ class Engine:
         if validated is None or prepare is None or any(d.numel == 0 for d in validated[1].inputs.values()):
             return None
         operator, plan = validated
-        workspace_size = backend.workspace_size(operator, plan)
         try:
-            self._check_budget(plan, workspace_size)
+            workspace_size = self._workspace(key, backend, operator, plan)
             parts = self._call_parts(plan, workspace_size, call or CallContext())
         except AclnnError:
             return None
@@ -764,15 +763,14 @@ class Engine:
             if key is not None:
                 self._plans.put(key, validated)
         operator, plan = validated
-        workspace_size = self._workspace(key, operator, plan)
+        workspace_size = self._workspace(key, self.backend, operator, plan)
         call.validation_s += time.perf_counter() - started
         return operator, plan, workspace_size
 
-    def _workspace(self, key: Hashable | None, operator: Operator, plan: Plan) -> int:
-        """The backend's workspace for a plan, checked against the budget: once per plan key and backend
+    def _workspace(self, key: Hashable | None, backend: Backend, operator: Operator, plan: Plan) -> int:
+        """`backend`'s workspace for a plan, checked against the budget: once per plan key and backend
         (both are functions of the layout), except on a backend that asks its device each time (the
         NPU: CANN's GetWorkspaceSize, whose failure each call reports as CANN would)."""
-        backend = self.backend
         if getattr(backend, "plans_on_device", False):
             key = None
         known = self._workspaces.get(key) if key is not None else None
