@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from layer_norm_cases import layer_norm_call
 from test_data_channel import KEEPALIVE, error_of, reply, request, ticket
-from test_processes import broadcast_call, free_port, gauge
+from test_processes import broadcast_call, free_port, metric
 from test_shared_memory import (
     OP,
     OUTPUTS,
@@ -269,7 +269,7 @@ def test_a_call_given_up_on_leaves_its_mailbox_to_no_one(rng):
             other.list_operators()
             with concurrent.futures.ThreadPoolExecutor(1) as pool:
                 running = pool.submit(other.run, OP, **broadcast_call(0, rows=262144))
-                wait_for(lambda: gauge(metrics_port, "aclnn_running_calls") == 1)  # it holds the only slot
+                wait_for(lambda: metric(metrics_port, "aclnn_running_calls") == 1)  # it holds the only slot
                 late = layer_norm_call(rng, (64, 1024))
                 with pytest.raises(AclnnError) as raised:
                     c.run(OP, **late)  # queued behind the long call until the deadline

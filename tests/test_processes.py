@@ -42,14 +42,14 @@ def start_server(*args: str) -> tuple[subprocess.Popen, str]:
     return proc, f"{match[1]}:{match[2]}"
 
 
-def gauge(metrics_port: int, name: str) -> float:
-    """A gauge's value on a server's /metrics."""
+def metric(metrics_port: int, name: str) -> float:
+    """A gauge's value (or an unlabelled counter's) on a server's /metrics."""
     text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read().decode()
     return float(re.search(rf"^{name} (\S+)$", text, re.M)[1])
 
 
 def in_flight(metrics_port: int) -> float:
-    return gauge(metrics_port, "aclnn_in_flight_calls")
+    return metric(metrics_port, "aclnn_in_flight_calls")
 
 
 def broadcast_call(seed: int, rows: int = 8192, n: int = 4096) -> dict:

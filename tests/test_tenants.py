@@ -17,7 +17,6 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from typing import Any
 
 import grpc
@@ -26,7 +25,7 @@ import pytest
 from layer_norm_cases import layer_norm_call, layer_norm_reference
 from oracle import assert_close
 from test_data_channel import connect, reply, request, ticket
-from test_processes import broadcast_call, free_port, start_server
+from test_processes import broadcast_call, free_port, metric, start_server
 from test_shared_memory import check, memfd, register, unix_connect
 from test_transport import wait_for
 
@@ -162,11 +161,6 @@ def test_stream_waits_count_against_the_queue_and_respect_deadlines(serve):
         assert not running.done(), "the long call should still be running"
         running.result()
     wait_for(lambda: served.engine.admission.waiting == 0 and served.engine.ledger.held == 0)
-
-
-def metric(port: int, name: str) -> float:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    return float(re.search(rf"^{name} (\S+)$", text, re.M)[1])
 
 
 _DYING_CLIENT = """
