@@ -111,11 +111,11 @@ class Served(NamedTuple):
 
 @pytest.fixture
 def serve():
-    """Starts servers (numpy backend) with the given options on free loopback ports."""
+    """Starts servers (numpy backend unless told) with the given options on free loopback ports."""
     started = []
 
     def start(**options) -> Served:
-        server, port, engine = create_server(ServerOptions(port=0, backend="numpy", **options))
+        server, port, engine = create_server(ServerOptions(**{"port": 0, "backend": "numpy", **options}))
         engine.ready.wait()
         server.start()
         started.append(server)

@@ -26,7 +26,7 @@ import aclnn_client.grpc_client
 from aclnn_client import AclnnError, Client
 from aclnn_common._proto import aclnn_pb2 as pb
 from aclnn_common._proto import aclnn_pb2_grpc as pb_grpc
-from aclnn_common.framing import MAGIC, REGION, REGISTER_REGION, REQUEST, UNREGISTER_REGION
+from aclnn_common.framing import CALL, MAGIC, REGION, REGISTER_REGION, REQUEST, UNREGISTER_REGION
 
 OP = "aclnnLayerNormBackward"
 OUTPUTS = ("gradInputOut", "gradWeightOut", "gradBiasOut")
@@ -298,6 +298,122 @@ def test_keepalive_survives_concurrent_registrations(serve, rng, monkeypatch):
     for p in calls:
         check(p)
     assert not failures
+
+
+def placed_call(p: dict, region: str, inputs: dict[str, int], results: dict[str, tuple[int, int]]) -> bytes:
+    """The data channel's CALL payload of `p`'s Run: the named inputs read from `region` at their offsets,
+    the named results placed there at (offset, size)."""
+    call = region_call(p, region, inputs)
+    for name, (offset, size) in results.items():
+        call.placements[name].region.CopyFrom(pb.RegionSlice(region=region, offset=offset, size=size))
+    return b"\x03Run" + call.SerializeToString()
+
+
+def run_in_region(sock: socket.socket, payload: bytes) -> tuple[bool, bytes]:
+    sock.sendall(request(CALL, len(payload)) + payload)
+    return reply(sock)
+
+
+@pytest.fixture(params=["numpy", "cpu"])  # not conftest's BACKENDS: other users' processes import this module
+def region_of(serve, request):
+    """A registered region of `size` bytes on a server of each backend (its id, the raw connection and
+    a writeable map of it): the cpu backend's kernels write their results as they go."""
+    opened = []
+    served = serve(backend=request.param)
+
+    def make(size: int) -> tuple[str, socket.socket, mmap.mmap]:
+        sock = unix_connect(ticket(served.address))
+        fd = memfd(size)
+        view = mmap.mmap(fd, size)
+        ok, region_id = register(sock, [fd], size)
+        os.close(fd)
+        assert ok, region_id
+        opened.append((sock, view))
+        return region_id.decode(), sock, view
+
+    yield make
+    for sock, view in opened:
+        sock.close()
+        view.close()
+
+
+def test_results_placed_in_a_region_are_computed_where_they_lie(region_of, rng):
+    """Results placed in region slices are the oracle's, whether the server computes them there (no copy
+    after) or, where a slice overlaps an input or another result, apart and copied in."""
+    p = layer_norm_call(rng, (64, 1024))
+    nbytes = {name: p[name].nbytes for name in (*OUTPUTS, "gradOut")}
+    region, sock, view = region_of(1 << 20)
+    view[: nbytes["gradOut"]] = p["gradOut"].tobytes()
+    grad_input, grad_weight, grad_bias = 300_000, 600_000, 600_000 + nbytes["gradWeightOut"] + 64
+    apart = {"gradInputOut": (grad_input, nbytes["gradInputOut"]), "gradWeightOut": (grad_weight, 4096)}
+    apart["gradBiasOut"] = (grad_bias, 4096)
+    layouts = [
+        apart,  # computed in place
+        {**apart, "gradBiasOut": (grad_weight, 4096)},  # two results in one slice
+        {**apart, "gradInputOut": (64, nbytes["gradInputOut"])},  # gradInput over gradOut, the input it reads
+        {**apart, "gradWeightOut": (grad_weight + 2, 4096)},  # not aligned for float32
+    ]
+    for results in layouts:
+        ok, answer = run_in_region(sock, placed_call(p, region, {"gradOut": 0}, results))
+        assert ok, error_of(answer).message
+        refs = dict(zip(OUTPUTS, layer_norm_reference(p)))
+        for name in OUTPUTS if results is apart else ("gradInputOut",):
+            offset, size = results[name]
+            got = np.frombuffer(view[offset : offset + size], np.float32).reshape(p[name].shape)
+            assert_close(got, refs[name].reshape(p[name].shape), name)
+        view[: nbytes["gradOut"]] = p["gradOut"].tobytes()  # the third layout wrote gradInput over it
+
+
+@pytest.mark.parametrize("backend", ["numpy", "cpu"])
+def test_the_clients_shared_memory_results_are_computed_in_their_regions(serve, rng, backend, monkeypatch):
+    """Client(shared_memory=True): run and execute hand the engine their results' region slices to compute
+    into (what the engine was given is recorded), and the results are the oracle's."""
+    served = serve(backend=backend)
+    given: list[set[str]] = []
+    for method in ("run", "execute"):
+        original = getattr(served.engine, method)
+        monkeypatch.setattr(
+            served.engine, method, lambda *a, _f=original, **k: given.append(set(a[3] or {})) or _f(*a, **k)
+        )
+    p = layer_norm_call(rng, (256, 1024))
+    with Client(served.address, shared_memory=True) as c:
+        c.run(OP, **p)
+        check(p)
+        q = {**p, **{name: np.zeros_like(p[name]) for name in OUTPUTS}}
+        _, executor = c.get_workspace_size(OP, **q)
+        c.execute(executor)
+        check(q)
+    assert given == [set(OUTPUTS), set(OUTPUTS)]
+
+
+@pytest.mark.parametrize(
+    "fault",
+    ["a result's slice of the wrong size", "a result's slice past the region", "an input the error table refuses"],
+)
+def test_a_call_refused_writes_nothing_into_its_results_regions(region_of, rng, fault):
+    """All or nothing: a call refused for one result's placement, or by its error table, leaves the
+    regions of every result as they were (the valid placements are not computed into first)."""
+    p = layer_norm_call(rng, (64, 1024))
+    size = 1 << 20
+    region, sock, view = region_of(size)
+    before = rng.integers(0, 256, size, dtype=np.uint8).tobytes()
+    view[:] = before
+    results = {"gradInputOut": (0, p["gradInputOut"].nbytes), "gradWeightOut": (400_000, 4096)}
+    results["gradBiasOut"] = (500_000, 4096)
+    if fault == "a result's slice of the wrong size":
+        results["gradBiasOut"] = (500_000, 4100)
+    elif fault == "a result's slice past the region":
+        results["gradBiasOut"] = (size - 100, 4096)
+    else:
+        p["normalizedShape"] = [512]
+    ok, answer = run_in_region(sock, placed_call(p, region, {}, results))
+    assert not ok
+    error = error_of(answer)
+    assert error.code == 161002
+    expected = {"an input the error table refuses": "input", "a result's slice past the region": "region"}
+    assert error.param == expected.get(fault, "gradBiasOut"), error.message
+    assert view[:] == before
+    assert answers_keepalive(sock)
 
 
 def test_a_ticket_is_for_its_own_local_user(serve):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import math
 import re
 import secrets
 import time
@@ -22,8 +23,11 @@ from google.protobuf import any_pb2, duration_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 
 from aclnn_common._proto import aclnn_pb2 as pb
+from aclnn_common.binding import disjoint
 from aclnn_common.errors import AclnnError, Status, invalid_error
 from aclnn_common.framing import aligned
+from aclnn_common.tensor import Tensor
+from aclnn_common.types import numpy_dtype
 
 from ..admission import CallAbandoned
 from ..buffers import ResidentStorage
@@ -228,14 +232,15 @@ class AclnnService:
         inputs: dict[str, Any] = dict(request.inputs)
         inputs.update({name: self._stored(ref, call) for name, ref in request.input_refs.items()})
         placed(request.placements, call)
-        outputs = self.engine.execute(request.executor, inputs, call)
+        outputs = self.engine.execute(request.executor, inputs, call, self._executor_regions(request, inputs, call))
         return pb.ExecuteResponse(outputs=self._place(outputs, request.placements, call))
 
     def Run(self, request: pb.OpCall, call: CallContext) -> pb.RunResponse:
         self._take_reservation(request.reservation, call)
         values = decode_call(request, lambda ref: self._stored(ref, call))
         placed(request.placements, call)
-        size, outputs = self.engine.run(request.op, values, call)
+        in_regions = self._run_regions(values, request.placements, call)
+        size, outputs = self.engine.run(request.op, values, call, in_regions)
         return pb.RunResponse(workspace_size=size, outputs=self._place(outputs, request.placements, call))
 
     def ReserveCall(self, request: pb.CallReservation, call: CallContext) -> pb.Reservation:
@@ -314,6 +319,70 @@ class AclnnService:
             return self._device(ref.device, call, "buffer")
         raise invalid_error("ref", "names neither a tensor handle, a region, a device buffer nor attached bytes")
 
+    def _in_regions(
+        self,
+        results: Mapping[str, tuple[tuple[int, ...], np.dtype | None] | None],
+        inputs: list[Any],
+        placements: Mapping[str, pb.OutputPlacement],
+        call: CallContext,
+    ) -> dict[str, np.ndarray]:
+        """A call's results placed in shared-memory regions, as arrays over their slices for the engine
+        to compute straight into (no copy into the region after: one pass over each result's bytes less).
+
+        `results`: each result's shape and dtype by name, None for a name the call also reads (in/out,
+        input), a name absent for nothing computed (masked off); `inputs`: the call's input storage.
+        All or none, so that a call refused has written nothing: only when every placed result goes to
+        a region slice that holds exactly its bytes, aligned for its dtype, sharing memory with no other
+        result and no input. Otherwise none, and _place copies the results there (or refuses the
+        placement, after the call's own errors, as before)."""
+        if not placements:
+            return {}
+        arrays: dict[str, np.ndarray] = {}
+        try:
+            for name, placement in placements.items():
+                if name not in results:
+                    continue  # nothing is computed for it
+                result, r = results[name], placement.region
+                if result is None or placement.WhichOneof("kind") != "region" or placement.keep_on_server:
+                    return {}
+                shape, dtype = result
+                if dtype is None or r.size != math.prod(shape) * dtype.itemsize or r.offset % dtype.itemsize:
+                    return {}
+                where = self.storage.region_slice(call.session, call.owner, r.region, r.offset, r.size)
+                arrays[name] = np.frombuffer(where, dtype).reshape(shape)
+        except AclnnError:  # refused by _place, after the call's own checks
+            return {}
+        views = [np.frombuffer(data, np.uint8) for data in inputs if isinstance(data, memoryview | bytes)]
+        views += [data for data in inputs if isinstance(data, np.ndarray)]
+        return arrays if disjoint(arrays, views) else {}
+
+    def _run_regions(
+        self, values: Mapping[str, Any], placements: Mapping[str, pb.OutputPlacement], call: CallContext
+    ) -> dict[str, np.ndarray]:
+        """_in_regions for a Run: its outputs are the tensors that carry no bytes."""
+        if not placements:
+            return {}
+        tensors = {name: v for name, v in values.items() if isinstance(v, Tensor)}
+        results = {
+            n: None if t.data is not None else (t.view_dims, numpy_dtype(t.data_type)) for n, t in tensors.items()
+        }
+        inputs = [t.data for t in tensors.values() if t.data is not None]
+        return self._in_regions(results, inputs, placements, call)
+
+    def _executor_regions(
+        self, request: pb.ExecuteRequest, inputs: Mapping[str, Any], call: CallContext
+    ) -> dict[str, np.ndarray]:
+        """_in_regions for an Execute: the results its executor planned, its inputs sent now and with the plan."""
+        if not request.placements:
+            return {}
+        try:
+            entry = self.engine.executors.get(request.executor, call.owner)
+        except AclnnError:  # Execute refuses it
+            return {}
+        plan = entry.plan
+        results = {n: None if n in plan.inputs else (d.shape, d.dtype) for n, d in plan.outputs.items()}
+        return self._in_regions(results, [*inputs.values(), *entry.data.values()], request.placements, call)
+
     def _place(
         self, outputs: dict[str, np.ndarray], placements: Mapping[str, pb.OutputPlacement], call: CallContext
     ) -> dict[str, pb.OutputTensor]:
@@ -348,7 +417,8 @@ class AclnnService:
                 where = pb.ByteRange(offset=offset, size=flat.nbytes)
                 encoded[name] = output_tensor(array, inline=False, attached=where)
             elif name in targets:
-                np.frombuffer(targets[name], np.uint8)[:] = flat
+                if not np.may_share_memory(flat, np.frombuffer(targets[name], np.uint8)):  # else computed there
+                    np.frombuffer(targets[name], np.uint8)[:] = flat
                 encoded[name] = output_tensor(array, inline=False)
             elif name in call.kept:
                 # Reserved with the call as a stored tensor; held now for as long as the array lives.
