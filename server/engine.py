@@ -323,7 +323,7 @@ class Engine:
             workspace_size = self.backend.workspace_size(entry.operator, entry.plan)  # planned on the reference
         resident = _resident_of(entry.plan, entry.data, inputs)
         if not resident and not self._ordered(call):
-            with self._admitted(entry.plan, workspace_size, call):
+            with self._admitted(entry.plan, workspace_size, call, destinations=destinations):
                 entry, args = self.executors.begin_execute(
                     executor_id, lambda e: self._bind_inputs(e.operator, e.plan, e.data, inputs), call.owner
                 )
@@ -357,7 +357,7 @@ class Engine:
             return workspace_size, self._run_prepared(prepared, storage, destinations, call, checked=True)
         args = self._bind_inputs(operator, plan, {name: values[name].data for name in plan.inputs}, {})
         if not resident and not self._ordered(call):
-            with self._admitted(plan, workspace_size, call):
+            with self._admitted(plan, workspace_size, call, destinations=destinations):
                 return workspace_size, self._compute(operator, plan, args, call, destinations)
         return workspace_size, self._dispatch(operator, plan, workspace_size, args, resident, call, destinations)
 
@@ -451,7 +451,9 @@ class Engine:
                     return self._compute(prepared.operator, prepared.plan, args, call, destinations, prepared.compute)
                 finally:
                     self.admission.finish(call.owner, stream)
-        with self._admitted(prepared.plan, prepared.workspace_size, call, parts=prepared.parts):
+        with self._admitted(
+            prepared.plan, prepared.workspace_size, call, parts=prepared.parts, destinations=destinations
+        ):
             return self._compute(prepared.operator, prepared.plan, args, call, destinations, prepared.compute)
 
     def set_executor_repeatable(self, executor_id: str, call: CallContext | None = None) -> None:
@@ -656,15 +658,24 @@ class Engine:
         call: CallContext,
         resident: frozenset[str] = frozenset(),
         parts: Mapping[str, int] | None = None,
+        destinations: Mapping[str, np.ndarray] | None = None,
     ) -> Iterator[None]:
         """An execution slot with memory for the call's outputs and workspace (see Admission), taken
         now or from the call's reservation (`call.reserved`).
 
         Inputs are held already (in their message, upload, executor or device buffer), and so are
-        the `resident` outputs, computed in their device buffers. The outputs stay held after
-        compute, in `call.holds`, when the transport sends them later.
+        the `resident` outputs, computed in their device buffers, and the outputs computed into
+        `destinations` (a caller's arrays in process, a client's shared-memory region). The outputs
+        stay held after compute, in `call.holds`, when the transport sends them later.
         """
         parts = parts or self._call_parts(plan, workspace_size, call, resident)
+        if destinations:
+            there = sum(
+                d.numel * d.dtype.itemsize
+                for n, d in plan.outputs.items()
+                if _destination(destinations, n, d) is not None
+            )
+            parts = {**parts, RUNNING: max(self._workspace_held(workspace_size), parts[RUNNING] - there)}
         # What it reads in place: at most its inputs' storage, whatever it attached.
         in_place = call.in_place_bytes and min(call.in_place_bytes, sum(t.storage_nbytes for t in plan.inputs.values()))
         if in_place:
@@ -850,13 +861,10 @@ class Engine:
         dtype. Every failure a caller can cause comes before this point; only a backend's own fault
         could stop it midway. `prepared`: the backend's compute of this plan, prepared (its kernel chosen).
         """
-        given = destinations or {}
-        outputs = {
-            name: given[name]
-            if name in given and given[name].shape == desc.shape and given[name].dtype == desc.dtype
-            else np.empty(desc.shape, desc.dtype)
-            for name, desc in plan.outputs.items()
-        }
+        outputs = {}
+        for name, desc in plan.outputs.items():
+            given = _destination(destinations, name, desc)
+            outputs[name] = np.empty(desc.shape, desc.dtype) if given is None else given
         for name in plan.outputs.keys() & plan.inputs.keys():  # in/out: updated in place, from the input's values
             outputs[name][...] = args[name]
             args[name] = outputs[name]
@@ -882,6 +890,12 @@ class Engine:
         finally:
             call.compute_s += time.perf_counter() - started
         return outputs
+
+
+def _destination(destinations: Mapping[str, np.ndarray] | None, name: str, desc: TensorDesc) -> np.ndarray | None:
+    """The array given to compute an output straight into, if it has exactly the output's shape and dtype."""
+    given = destinations.get(name) if destinations else None
+    return given if given is not None and given.shape == desc.shape and given.dtype == desc.dtype else None
 
 
 def _input_view(name: str, desc: TensorDesc, data: Any) -> Any:

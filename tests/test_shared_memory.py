@@ -386,6 +386,19 @@ def test_the_clients_shared_memory_results_are_computed_in_their_regions(serve, 
     assert given == [set(OUTPUTS), set(OUTPUTS)]
 
 
+def test_a_result_computed_in_its_region_holds_no_memory_of_its_own(serve, rng):
+    """A region is held for as long as it is registered; a call that computes a result into one holds
+    nothing more for that result. Else a share that fits the call would refuse it: 8 MiB tensors with
+    shared memory on the numpy backend hold ~24 MiB of regions (two inputs, the result) and a call of
+    ~16 MiB (its workspace), ~24 MiB with its result counted again, in a 45 MiB share."""
+    served = serve(max_tenant_bytes=45 << 20)
+    with Client(served.address, shared_memory=True, timeout=10) as c:
+        for _ in range(2):
+            p = layer_norm_call(rng, (2048, 1024))
+            c.run(OP, **p)
+            check(p)
+
+
 @pytest.mark.parametrize(
     "fault",
     ["a result's slice of the wrong size", "a result's slice past the region", "an input the error table refuses"],

@@ -333,7 +333,7 @@ class AclnnService:
         input), a name absent for nothing computed (masked off); `inputs`: the call's input storage.
         All or none, so that a call refused has written nothing: only when every placed result goes to
         a region slice that holds exactly its bytes, aligned for its dtype, sharing memory with no other
-        result and no input. Otherwise none, and _place copies the results there (or refuses the
+        result and no input, or comes back attached. Otherwise none, and _place copies the results there (or refuses the
         placement, after the call's own errors, as before)."""
         if not placements:
             return {}
@@ -342,8 +342,10 @@ class AclnnService:
             for name, placement in placements.items():
                 if name not in results:
                     continue  # nothing is computed for it
-                result, r = results[name], placement.region
-                if result is None or placement.WhichOneof("kind") != "region" or placement.keep_on_server:
+                result, r, kind = results[name], placement.region, placement.WhichOneof("kind")
+                if kind == "attached" and call.attachment is not None and not placement.keep_on_server:
+                    continue  # sent from its own array, beside the reply: nothing to refuse after the call
+                if result is None or kind != "region" or placement.keep_on_server:
                     return {}
                 shape, dtype = result
                 if dtype is None or r.size != math.prod(shape) * dtype.itemsize or r.offset % dtype.itemsize:
