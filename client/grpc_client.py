@@ -93,7 +93,8 @@ class Client(BaseClient):
     target; `unix_socket=False`: never), else a TCP connection beside gRPC (with the same
     TLS); gRPC when the server offers neither, or cannot take a connection now. With
     `shared_memory=True` as well, tensor bytes go through shared memory (sealed memfds,
-    passed to the server over its Unix socket) when it has one on this host.
+    passed to the server over its Unix socket) when it has one on this host; without it, results
+    of 1-64 MiB do (staging.RESULT_REGION_BYTES).
     """
 
     def __init__(
@@ -417,7 +418,7 @@ class Client(BaseClient):
         try:
             return attempt()
         except AclnnError as error:
-            if not (self._shared_memory and error.param == "region" and "is not registered" in error.message):
+            if not (error.param == "region" and "is not registered" in error.message):  # results' regions too
                 raise
         log.info("a server lost this client's shared-memory regions: registering them again")
         for channel in list(self._data_channels.values()):
@@ -634,17 +635,22 @@ class Client(BaseClient):
         except AclnnError:
             pass  # gone with its replica, or freed when the session lapses
 
-    def _region(self, replica: int, size: int) -> tuple[Region, str] | None:
-        """A pooled region and its id on `replica` (registered on first use); None when the replica
-        has no Unix socket on this host, or takes no region now (the bytes then go another way)."""
+    def _region(self, replica: int, size: int, results: bool = False) -> tuple[Region, str] | None:
+        """A pooled region (a `results` one: staging.RESULT_REGION_BYTES) and its id on `replica`
+        (registered on first use); None when the replica has no Unix socket on this host, or takes no
+        region now (the bytes then go another way)."""
         channel = self._data_channel(replica)
         if channel is None or not channel.unix:
             return None
-        region = self._regions.acquire(size)
+        region = self._regions.acquire(size, results)
         try:
             region_id = channel.region_id(region, region.fd, region.size, self._timeout)
         except (AclnnError, NoConnection) as exc:
-            self._regions.release([region])
+            if results:  # a server sealed it already (before a restart, or a lapsed lease): a fresh one next time
+                self._regions.retire([region])
+                region.close()
+            else:
+                self._regions.release([region])
             log.debug("no shared memory for %d bytes on replica %d: %s", size, replica, exc)
             return None
         self._called.add(replica)

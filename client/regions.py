@@ -20,19 +20,26 @@ class Region:
     size: neither side can truncate it under the other.
     """
 
-    def __init__(self, size: int, name: str = "aclnn-region", holeless: bool = False) -> None:
+    def __init__(self, size: int, name: str = "aclnn-region", holeless: bool = False, results: bool = False) -> None:
         """`holeless`: sealed against writes too, once mapped here (F_SEAL_FUTURE_WRITE): this mapping
-        still writes it, but nobody can punch a hole in it (a large mailbox: framing.HELD_MAILBOX_BYTES)."""
+        still writes it, but nobody can punch a hole in it (a large mailbox: framing.HELD_MAILBOX_BYTES).
+        `results`: every page allocated now (this process's memory) and no seal against further seals,
+        for the server to seal against writes once it mapped the region: it then holds nothing for it
+        (server/regions.py map_region), and no second server can map it writeable."""
         fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.ftruncate(fd, size)
             self.map = mmap.mmap(fd, size)
-            seals = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
-            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals | (F_SEAL_FUTURE_WRITE if holeless else 0))
+            seals = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+            if results:
+                os.posix_fallocate(fd, 0, size)
+            else:
+                seals |= fcntl.F_SEAL_SEAL | (F_SEAL_FUTURE_WRITE if holeless else 0)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
         except BaseException:
             os.close(fd)
             raise
-        self.fd, self.size = fd, size
+        self.fd, self.size, self.results = fd, size, results
         self.array = np.ndarray((size,), np.uint8, buffer=self.map)
 
     def close(self) -> None:
@@ -52,15 +59,15 @@ class RegionPool:
         self.all: list[Region] = []
         self._lock = threading.Lock()
 
-    def acquire(self, size: int) -> Region:
-        """A free region of at least `size` bytes (a new one when none fits)."""
+    def acquire(self, size: int, results: bool = False) -> Region:
+        """A free region of at least `size` bytes, of `results` regions or the others (a new one when none fits)."""
         with self._lock:
-            fits = [r for r in self._free if r.size >= size]
+            fits = [r for r in self._free if r.size >= size and r.results == results]
             if fits:
                 region = min(fits, key=lambda r: r.size)
                 self._free.remove(region)
                 return region
-        region = Region(max(size, 4096))
+        region = Region(max(size, 4096), "aclnn-results" if results else "aclnn-region", results=results)
         with self._lock:
             self.all.append(region)
         return region

@@ -19,6 +19,14 @@ from aclnn_common.wire import decode_output
 from .data_channel import Attachments
 from .regions import Region
 
+# Over the Unix socket, results of RESULT_REGION_BYTES up to MAX_RESULT_REGION_BYTES land in a region
+# of the client's (regions.Region, `results`) even without shared_memory=True: the server computes them
+# there and holds nothing for it, the client copies them out once. Through the socket a result costs
+# two copies more, and a reply of several MiB crosses it in ~36 KiB pieces that can wake the client
+# once each (bench/transport.py --sweep: 2-4x the call's time in some runs).
+RESULT_REGION_BYTES = 1 << 20
+MAX_RESULT_REGION_BYTES = 64 << 20
+
 
 class Transfers(Protocol):
     """What staging needs of its client: moving bytes to and from one replica outside the call's message."""
@@ -46,8 +54,9 @@ class Transfers(Protocol):
     def free(self, replica: int, handle: str) -> None:
         """Frees a handle (best effort: the session's lease ends it otherwise)."""
 
-    def region(self, replica: int, size: int) -> tuple[Region, str] | None:
-        """A shared-memory region of at least `size` bytes and its id on the replica, or None."""
+    def region(self, replica: int, size: int, results: bool = False) -> tuple[Region, str] | None:
+        """A shared-memory region of at least `size` bytes (a `results` one: see RESULT_REGION_BYTES) and
+        its id on the replica, or None."""
 
     def attaches(self, replica: int) -> bool:
         """Whether calls to the replica go over its data channel, which carries tensor bytes raw beside them."""
@@ -183,10 +192,12 @@ class Staging:
         return handle
 
     def place(self, replica: int, sizes: Mapping[str, int], placements: Any) -> None:
-        """Large results stay on the server (then stream back); with shared memory they land in a region;
-        over a data channel the others come back raw beside the reply."""
+        """Results land in a region with shared memory (large ones without: RESULT_REGION_BYTES); larger
+        ones stay on the server (then stream back); over a data channel the others come back raw beside
+        the reply."""
         for name, size in sizes.items():
-            region = self._region(replica, size)
+            results = not self.transfers.shared_memory and RESULT_REGION_BYTES <= size <= MAX_RESULT_REGION_BYTES
+            region = self._region(replica, size, results)
             if region is not None:
                 self.output_regions[name] = region[0]
                 placements[name].region.CopyFrom(pb.RegionSlice(region=region[1], offset=0, size=size))
@@ -217,11 +228,12 @@ class Staging:
             self.attachments = Attachments()
         return self.attachments is not None
 
-    def _region(self, replica: int, size: int) -> tuple[Region, str] | None:
-        """A region for `size` bytes and its id on the replica; None: the bytes go another way."""
-        if not self.transfers.shared_memory or size == 0:
+    def _region(self, replica: int, size: int, results: bool = False) -> tuple[Region, str] | None:
+        """A region for `size` bytes (with shared memory, or a `results` one) and its id on the replica;
+        None: the bytes go another way."""
+        if not (self.transfers.shared_memory or results) or size == 0:
             return None
-        region = self.transfers.region(replica, size)
+        region = self.transfers.region(replica, size, results)
         if region is not None:
             self.regions.append(region[0])
         return region

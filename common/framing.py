@@ -17,8 +17,11 @@ else while it waits (the server takes a closed connection for a cancelled call):
     REGISTER_REGION    (Unix socket) payload = size:u64; reply (empty) when the server is ready for
               the descriptor, then the client sends one byte with one memfd as SCM_RIGHTS ancillary
               data, sealed against shrinking, growing and further seals (F_SEAL_SEAL: the server
-              gives back the pages it faults in; on tmpfs, not hugetlbfs); reply: the
-              region's id (ASCII), valid in RegionSlice.region for this session
+              gives back the pages it faults in; on tmpfs, not hugetlbfs), or against shrinking and
+              growing only with every page allocated: the server then seals it against writes
+              through new mappings and further seals once mapped, and holds nothing for it (a
+              client's result region); reply: the region's id (ASCII), valid in RegionSlice.region
+              for this session
     UNREGISTER_REGION  payload = the region's id; reply: empty
     MAILBOX   (Unix socket) payload = size:u64, at most MAILBOX_MAX_BYTES; then like REGISTER_REGION
               a memfd sealed like a region: the connection's mailbox from now on (it replaces a

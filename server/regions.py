@@ -72,21 +72,49 @@ def _released(mapping: mmap.mmap, hold: Hold, gone: Callable[[], None]) -> None:
     gone()
 
 
-def map_region(offer: RegionOffer) -> tuple[mmap.mmap, tuple[int, int]]:
-    """Maps the offered memfd read-write after checking it; with its inode (device, number). 161002
-    naming `region` when it is unfit. The caller keeps (and closes) the descriptor."""
-    fd = checked_memfd(offer)
+def map_region(offer: RegionOffer) -> tuple[mmap.mmap, tuple[int, int], bool]:
+    """Maps the offered memfd read-write after checking it; with its inode (device, number) and whether
+    the region must be held in the ledger. 161002 naming `region` when it is unfit. The caller keeps
+    (and closes) the descriptor.
+
+    A memfd sealed against further seals is held: the server may fault its pages in (and gives them
+    back when it goes). One left for the server to seal (against shrinking and growing only: a
+    client's result region) is sealed here, once mapped, against writes through new mappings and
+    further seals, then must have every page allocated (st_blocks; fallocate counts, though SEEK_HOLE
+    still sees such pages as holes until written): none can be given back later (nobody can punch a
+    hole), so the server never faults a page of it in and holds nothing for it. Its creator reads and writes it
+    through the mapping it made before."""
+    fd = checked_memfd(offer, server_seals=True)
     info = os.fstat(fd)
     try:
-        return mmap.mmap(fd, offer.size), (info.st_dev, info.st_ino)
+        mapping = mmap.mmap(fd, offer.size)
     except (OSError, ValueError) as exc:
         raise invalid_error("region", f"the memfd cannot be mapped read-write: {exc}") from None
+    held = bool(fcntl.fcntl(fd, fcntl.F_GET_SEALS) & fcntl.F_SEAL_SEAL)
+    try:
+        if not held:
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _F_SEAL_FUTURE_WRITE | fcntl.F_SEAL_SEAL)
+            allocated = os.fstat(fd)
+            if allocated.st_blocks * 512 < -(-allocated.st_size // mmap.PAGESIZE) * mmap.PAGESIZE:
+                raise invalid_error(
+                    "region", "a memfd left for the server to seal must have every page allocated (it has holes)"
+                )
+    except OSError as exc:
+        mapping.close()
+        raise invalid_error("region", f"the memfd cannot be sealed: {exc.strerror}") from None
+    except BaseException:
+        mapping.close()
+        raise
+    return mapping, (info.st_dev, info.st_ino), held
 
 
-def checked_memfd(offer: RegionOffer, punchable: bool = False, holeless: bool = False) -> int:
+def checked_memfd(
+    offer: RegionOffer, punchable: bool = False, holeless: bool = False, server_seals: bool = False
+) -> int:
     """The offer's one descriptor, once it is a memfd (on the kernel's internal tmpfs, not hugetlbfs)
     sealed against shrinking, growing and further seals that holds the declared size; 161002 naming
-    `region` when not.
+    `region` when not. `server_seals`: or sealed against shrinking and growing only, for the server
+    to seal (map_region).
 
     F_GET_SEALS comes first: it answers at once for any descriptor (EINVAL for all but memfds and
     tmpfs files), so nothing that could block (a FUSE file's fstat) is ever asked of another kind.
@@ -115,7 +143,8 @@ def checked_memfd(offer: RegionOffer, punchable: bool = False, holeless: bool = 
         raise invalid_error("region", f"the descriptor cannot be inspected: {exc.strerror}") from None
     if not stat.S_ISREG(info.st_mode) or not target.startswith("/memfd:"):
         raise invalid_error("region", "the descriptor is not a memfd (regions are never opened by name)")
-    if seals & _SEALS != _SEALS:
+    left_to_seal = server_seals and seals == fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+    if seals & _SEALS != _SEALS and not left_to_seal:
         raise invalid_error(
             "region",
             "the memfd must be sealed against shrinking and growing, and against further seals "

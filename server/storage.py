@@ -190,13 +190,14 @@ class Storage:
     # Regions ------------------------------------------------------------------------------
 
     def register_region(
-        self, session_id: str | None, owner: str | None, mapping: mmap.mmap, inode: tuple[int, int]
+        self, session_id: str | None, owner: str | None, mapping: mmap.mmap, inode: tuple[int, int], held: bool = True
     ) -> str:
         """Keeps a mapped region (regions.map_region) in the session; returns its id there.
 
         Its bytes are held in the ledger against the owner's share (the server may fault its
-        pages in) until its last view goes; an identity keeps at most MAX_REGIONS_PER_IDENTITY
-        mapped at once, and a memfd is mapped at most once at a time.
+        pages in) until its last view goes, unless not `held` (its pages are all its creator's);
+        an identity keeps at most MAX_REGIONS_PER_IDENTITY mapped at once, and a memfd is mapped
+        at most once at a time.
         """
         try:
             with self._locked():
@@ -209,7 +210,11 @@ class Storage:
                     )
                 if inode in self._inodes:
                     raise invalid_error("region", "this memfd is registered already (or a call still uses it)")
-                hold = self.ledger.reserve(owner, len(mapping), "region", "region")
+                hold = (
+                    self.ledger.reserve(owner, len(mapping), "region", "region")
+                    if held
+                    else Hold(self.ledger, owner, 0, "region")
+                )
                 self._mapped[owner] += 1
                 self._inodes.add(inode)
         except BaseException:

@@ -18,6 +18,7 @@ from test_transport import wait_for
 
 from aclnn_client import AclnnError, Client
 from aclnn_client.data_channel import Attachments
+from aclnn_client.staging import RESULT_REGION_BYTES
 from aclnn_common._proto import aclnn_pb2 as pb
 from aclnn_common.binding import bind
 from aclnn_common.framing import ATTACHED, CALL, IN_MAILBOX, MESSAGE_LENGTH, aligned
@@ -77,9 +78,14 @@ def test_inline_tensors_travel_raw_beside_the_message(serve, rng, unix, rows, in
         _, executor = c.get_workspace_size(OP, **p)
         c.execute(executor)
     check(p)
-    # The bytes moved beside the messages are counted with them.
+    # The bytes moved beside the messages are counted with them; over the Unix socket a result of
+    # RESULT_REGION_BYTES or more lands in a region of the client's instead (the reply: descriptors only).
     assert served.server.metrics.bytes_in.labels("Run")._value.get() > 2 * p["input"].nbytes
-    assert served.server.metrics.bytes_out.labels("Run")._value.get() > p["input"].nbytes
+    sent = served.server.metrics.bytes_out.labels("Run")._value.get()
+    if unix and p["gradInputOut"].nbytes >= RESULT_REGION_BYTES:
+        assert sent < 64 << 10
+    else:
+        assert sent > p["input"].nbytes
 
 
 def test_attached_ranges_are_checked(serve, rng):

@@ -89,7 +89,8 @@ def test_large_tensors_round_trip_and_are_freed(serve, rng, data_channel):
     p["gradInputOut"] = wide[:, ::2]  # a strided output: received through a bounce buffer
     with Client(served.address, max_inline_bytes=MIB, data_channel=data_channel) as c:
         c.run(OP, **p)
-        assert served.server.storage.counts() == (0, 0)
+        # Uploads freed; over the data channel's Unix socket the 2 MiB result's region stays pooled.
+        assert served.server.storage.counts() == (0, int(data_channel))
         assert (served.server.data_channel.open_connections > 0) == data_channel
     check(p)
     assert (wide[:, 1::2] == -7.25).all()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import ctypes
 import fcntl
 import mmap
 import os
@@ -24,6 +25,7 @@ from test_transport import wait_for
 
 import aclnn_client.grpc_client
 from aclnn_client import AclnnError, Client
+from aclnn_client.regions import F_SEAL_FUTURE_WRITE
 from aclnn_common._proto import aclnn_pb2 as pb
 from aclnn_common._proto import aclnn_pb2_grpc as pb_grpc
 from aclnn_common.framing import CALL, MAGIC, REGION, REGISTER_REGION, REQUEST, UNREGISTER_REGION
@@ -244,23 +246,29 @@ def test_a_late_call_never_writes_into_a_reused_region(serve, rng):
         assert served.server.storage.counts()[1] == len(c._regions.all)
 
 
-def test_registrations_survive_a_server_restart(tmp_path, rng):
+# Clients with regions: every tensor in one with shared memory; a result of RESULT_REGION_BYTES (1 MiB)
+# without (the default client's large results land in a region the server seals and holds nothing for).
+WITH_REGIONS = pytest.mark.parametrize(("options", "rows"), [({"shared_memory": True}, 64), ({}, 256)])
+
+
+@WITH_REGIONS
+def test_registrations_survive_a_server_restart(tmp_path, rng, options, rows):
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     args = ("--port", str(port), "--unix-socket", str(tmp_path / "aclnn.sock"))
     proc, address = start_server(*args)
     try:
-        with Client(address, shared_memory=True) as c:
-            p = layer_norm_call(rng, (64, 1024))
+        with Client(address, **options) as c:
+            p = layer_norm_call(rng, (rows, 1024))
             c.run(OP, **p)
             check(p)
             proc.send_signal(signal.SIGKILL)  # its socket file stays behind
             proc.wait()
             proc, _ = start_server(*args)
             grpc.channel_ready_future(c._pool.channel(0)).result(timeout=30)  # its gRPC channel is back
-            p = layer_norm_call(rng, (64, 1024))
-            c.run(OP, **p)  # the same client: a new ticket, its regions registered again
+            p = layer_norm_call(rng, (rows, 1024))
+            c.run(OP, **p)  # the same client: a new ticket, its regions registered again (results': fresh ones)
             check(p)
             channel = c._data_channel(0)
             assert channel.unix and channel.registered()
@@ -269,13 +277,15 @@ def test_registrations_survive_a_server_restart(tmp_path, rng):
         proc.wait()
 
 
-def test_registrations_come_back_after_the_lease_lapsed(serve, rng):
+@WITH_REGIONS
+def test_registrations_come_back_after_the_lease_lapsed(serve, rng, options, rows):
     served = serve(session_ttl_s=0.3)
-    with Client(served.address, shared_memory=True) as c:
-        p = layer_norm_call(rng, (64, 1024))
+    with Client(served.address, **options) as c:
+        p = layer_norm_call(rng, (rows, 1024))
         c.run(OP, **p)
+        assert served.server.storage.counts()[1] > 0
         wait_for(lambda: served.server.storage.counts()[1] == 0)  # the keepalive (10 s) is too slow for 0.3 s
-        p = layer_norm_call(rng, (64, 1024))
+        p = layer_norm_call(rng, (rows, 1024))
         c.run(OP, **p)
         check(p)
         assert served.server.storage.counts()[1] > 0
@@ -384,6 +394,95 @@ def test_the_clients_shared_memory_results_are_computed_in_their_regions(serve, 
         c.execute(executor)
         check(q)
     assert given == [set(OUTPUTS), set(OUTPUTS)]
+
+
+def test_the_default_clients_large_results_land_in_regions_it_pays_for(serve, rng):
+    """Without shared_memory=True, results of 1-64 MiB land in a pooled region of the client's over the
+    Unix socket: computed there, the reply carrying descriptors only, nothing held for it on the server
+    (its pages are all the client's, allocated before the server sealed it against holes); smaller
+    results come back attached; over TCP every result comes back through the socket."""
+    served = serve()
+    sent = served.server.metrics.bytes_out.labels("Run")
+    with Client(served.address) as c:
+        for rows, in_region in ((255, False), (256, True), (2048, True), (2048, True)):  # 1 MiB - 4 KiB .. 8 MiB
+            p = layer_norm_call(rng, (rows, 1024))
+            before = sent._value.get()
+            c.run(OP, **p)
+            check(p)
+            assert (sent._value.get() - before < 64 << 10) == in_region, rows
+            assert served.engine.ledger.held_by_kind().get("region", 0) == 0
+        assert served.server.storage.counts()[1] == 2  # one region per result size, pooled
+        regions = [r for r in c._regions.all if r.results]
+        assert len(regions) == 2
+        seals = fcntl.fcntl(regions[0].fd, fcntl.F_GET_SEALS)
+        assert seals & F_SEAL_FUTURE_WRITE and seals & fcntl.F_SEAL_SEAL  # sealed by the server
+        with pytest.raises(PermissionError):  # so nobody can give its pages back, the client included
+            fallocate_punch(regions[0].fd, 4096)
+    assert served.server.storage.counts() == (0, 0)  # close() unregistered them
+    with Client(served.address, unix_socket=False) as c:
+        p = layer_norm_call(rng, (256, 1024))
+        before = sent._value.get()
+        c.run(OP, **p)
+        check(p)
+        assert sent._value.get() - before >= 1 << 20
+        assert served.server.storage.counts()[1] == 0
+
+
+def fallocate_punch(fd: int, size: int) -> None:
+    """Punches [0, size) out of a file (fallocate PUNCH_HOLE | KEEP_SIZE); OSError as the kernel says."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.fallocate.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64)
+    if libc.fallocate(fd, 0x02 | 0x01, 0, size) != 0:
+        errno = ctypes.get_errno()
+        raise OSError(errno, os.strerror(errno))  # EPERM: PermissionError
+
+
+@pytest.mark.parametrize(
+    "offer", ["a page never allocated", "sealed against growing only", "sealed against writes already"]
+)
+def test_a_region_left_for_the_server_to_seal_must_be_whole(serve, offer):
+    """A memfd left for the server to seal (against shrinking and growing only) is refused unless every
+    page of it is allocated (else the server's writes would fault pages in, charged to it, that the
+    client keeps) and the server can map it read-write; the connection stays in step."""
+    served = serve()
+    size = 1 << 20
+    fd = os.memfd_create("test-results", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    os.ftruncate(fd, size)
+    if offer != "a page never allocated":
+        os.posix_fallocate(fd, 0, size)
+    else:
+        os.posix_fallocate(fd, 0, size - 4096)
+    seals = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+    if offer == "sealed against growing only":
+        seals = fcntl.F_SEAL_GROW
+    elif offer == "sealed against writes already":
+        seals |= F_SEAL_FUTURE_WRITE
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
+    with unix_connect(ticket(served.address)) as sock:
+        refused(register(sock, [fd], size), {"a page never allocated": "holes"}.get(offer, ""))
+        assert answers_keepalive(sock)
+    os.close(fd)
+    assert served.server.storage.counts() == (0, 0) and served.engine.ledger.held == 0
+
+
+def test_a_large_result_refused_a_region_comes_back_through_the_socket(serve, rng):
+    """When the server takes no region for a large result now (here: another client of the identity holds
+    every region it may have), the result comes back through the socket, as before results had regions."""
+    from aclnn_server.regions import MAX_REGIONS_PER_IDENTITY
+
+    served = serve()
+    sent = served.server.metrics.bytes_out.labels("Run")
+    with unix_connect(ticket(served.address, "other")) as other:
+        for _ in range(MAX_REGIONS_PER_IDENTITY):
+            fd = memfd(4096)
+            assert register(other, [fd], 4096)[0]
+            os.close(fd)
+        with Client(served.address) as c:
+            p = layer_norm_call(rng, (256, 1024))
+            c.run(OP, **p)
+            check(p)
+            assert sent._value.get() >= 1 << 20
+        assert served.server.storage.counts()[1] == MAX_REGIONS_PER_IDENTITY
 
 
 def test_a_result_computed_in_its_region_holds_no_memory_of_its_own(serve, rng):
