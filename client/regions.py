@@ -60,7 +60,10 @@ class RegionPool:
         self._lock = threading.Lock()
 
     def acquire(self, size: int, results: bool = False) -> Region:
-        """A free region of at least `size` bytes, of `results` regions or the others (a new one when none fits)."""
+        """A free region of at least `size` bytes, of `results` regions or the others (a new one when none
+        fits). Results' regions are made a power of two long: calls of growing sizes then make a few."""
+        if results:
+            size = 1 << (size - 1).bit_length()
         with self._lock:
             fits = [r for r in self._free if r.size >= size and r.results == results]
             if fits:

@@ -404,16 +404,17 @@ def test_the_default_clients_large_results_land_in_regions_it_pays_for(serve, rn
     served = serve()
     sent = served.server.metrics.bytes_out.labels("Run")
     with Client(served.address) as c:
-        for rows, in_region in ((255, False), (256, True), (2048, True), (2048, True)):  # 1 MiB - 4 KiB .. 8 MiB
+        # 1 MiB - 4 KiB, 1 MiB, 3 MiB (a region of 4 MiB: a power of two), 8 MiB twice, 2 MiB (in the 4 MiB one)
+        for rows, in_region in ((255, False), (256, True), (768, True), (2048, True), (2048, True), (512, True)):
             p = layer_norm_call(rng, (rows, 1024))
             before = sent._value.get()
             c.run(OP, **p)
             check(p)
             assert (sent._value.get() - before < 64 << 10) == in_region, rows
             assert served.engine.ledger.held_by_kind().get("region", 0) == 0
-        assert served.server.storage.counts()[1] == 2  # one region per result size, pooled
+        assert served.server.storage.counts()[1] == 3  # pooled
         regions = [r for r in c._regions.all if r.results]
-        assert len(regions) == 2
+        assert sorted(r.size for r in regions) == [1 << 20, 4 << 20, 8 << 20]
         seals = fcntl.fcntl(regions[0].fd, fcntl.F_GET_SEALS)
         assert seals & F_SEAL_FUTURE_WRITE and seals & fcntl.F_SEAL_SEAL  # sealed by the server
         with pytest.raises(PermissionError):  # so nobody can give its pages back, the client included
