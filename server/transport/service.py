@@ -333,8 +333,8 @@ class AclnnService:
         input), a name absent for nothing computed (masked off); `inputs`: the call's input storage.
         All or none, so that a call refused has written nothing: only when every placed result goes to
         a region slice that holds exactly its bytes, aligned for its dtype, sharing memory with no other
-        result and no input, or comes back attached. Otherwise none, and _place copies the results there (or refuses the
-        placement, after the call's own errors, as before)."""
+        result and no input, or comes back attached. Otherwise none, and _place copies the results
+        there (or refuses the placement, after the call's own errors, as before)."""
         if not placements:
             return {}
         arrays: dict[str, np.ndarray] = {}
