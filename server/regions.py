@@ -82,8 +82,8 @@ def map_region(offer: RegionOffer) -> tuple[mmap.mmap, tuple[int, int], bool]:
     client's result region) is sealed here, once mapped, against writes through new mappings and
     further seals, then must have every page allocated (st_blocks; fallocate counts, though SEEK_HOLE
     still sees such pages as holes until written): none can be given back later (nobody can punch a
-    hole), so the server never faults a page of it in and holds nothing for it. Its creator reads and writes it
-    through the mapping it made before."""
+    hole), so the server never faults a page of it in and holds nothing for it. Its creator reads and
+    writes it through the mapping it made before."""
     fd = checked_memfd(offer, server_seals=True)
     info = os.fstat(fd)
     try:

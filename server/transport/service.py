@@ -232,8 +232,9 @@ class AclnnService:
         inputs: dict[str, Any] = dict(request.inputs)
         inputs.update({name: self._stored(ref, call) for name, ref in request.input_refs.items()})
         placed(request.placements, call)
-        outputs = self.engine.execute(request.executor, inputs, call, self._executor_regions(request, inputs, call))
-        return pb.ExecuteResponse(outputs=self._place(outputs, request.placements, call))
+        in_regions = self._executor_regions(request, inputs, call)
+        outputs = self.engine.execute(request.executor, inputs, call, in_regions)
+        return pb.ExecuteResponse(outputs=self._place(outputs, request.placements, call, in_regions))
 
     def Run(self, request: pb.OpCall, call: CallContext) -> pb.RunResponse:
         self._take_reservation(request.reservation, call)
@@ -241,7 +242,7 @@ class AclnnService:
         placed(request.placements, call)
         in_regions = self._run_regions(values, request.placements, call)
         size, outputs = self.engine.run(request.op, values, call, in_regions)
-        return pb.RunResponse(workspace_size=size, outputs=self._place(outputs, request.placements, call))
+        return pb.RunResponse(workspace_size=size, outputs=self._place(outputs, request.placements, call, in_regions))
 
     def ReserveCall(self, request: pb.CallReservation, call: CallContext) -> pb.Reservation:
         """Holds a Run's or an Execute's memory as one unit, before its bytes are sent (reservations.py)."""
@@ -386,10 +387,15 @@ class AclnnService:
         return self._in_regions(results, [*inputs.values(), *entry.data.values()], request.placements, call)
 
     def _place(
-        self, outputs: dict[str, np.ndarray], placements: Mapping[str, pb.OutputPlacement], call: CallContext
+        self,
+        outputs: dict[str, np.ndarray],
+        placements: Mapping[str, pb.OutputPlacement],
+        call: CallContext,
+        in_regions: Mapping[str, np.ndarray],
     ) -> dict[str, pb.OutputTensor]:
-        """Results inline, kept on the server, or written into regions: all checked before any is written."""
-        targets: dict[str, memoryview] = {}
+        """Results inline, kept on the server, or written into regions: all checked before any is written
+        (those the engine computed into their `in_regions` arrays were checked there, and are in place)."""
+        targets: dict[str, memoryview | None] = {}
         attached: set[str] = set()  # read once: each look-up in a protobuf map costs ~1 us
         for name, placement in placements.items():
             if name not in outputs:
@@ -399,6 +405,8 @@ class AclnnService:
                 check(call.attachment is not None, name, "attached results come only with a data-channel call")
                 if placement.attached:
                     attached.add(name)
+            elif kind == "region" and outputs[name] is in_regions.get(name):
+                targets[name] = None  # computed there
             elif kind == "region":
                 r = placement.region
                 check(
@@ -419,8 +427,9 @@ class AclnnService:
                 where = pb.ByteRange(offset=offset, size=flat.nbytes)
                 encoded[name] = output_tensor(array, inline=False, attached=where)
             elif name in targets:
-                if not np.may_share_memory(flat, np.frombuffer(targets[name], np.uint8)):  # else computed there
-                    np.frombuffer(targets[name], np.uint8)[:] = flat
+                target = targets[name]
+                if target is not None:
+                    np.frombuffer(target, np.uint8)[:] = flat
                 encoded[name] = output_tensor(array, inline=False)
             elif name in call.kept:
                 # Reserved with the call as a stored tensor; held now for as long as the array lives.
