@@ -29,7 +29,7 @@ from aclnn_common.wire import decode_error, encode_call
 from .data_channel import Attachments, DataChannel, NoConnection
 from .pool import RECONNECT_WAIT_S, Pool, data_channel_host, is_loopback, parse_target
 from .regions import Region, RegionPool
-from .staging import Staging
+from .staging import StagedLayout, Staging
 from .tls import check_token, settings
 
 __all__ = ["Client", "data_channel_host"]
@@ -64,6 +64,9 @@ GRPC_INLINE_BYTES = 512 << 10
 MAX_MAILBOX_ATTACHED_BYTES = MAILBOX_MAX_BYTES - (1 << 20)  # room for the call's message
 # Run requests kept per client, by layout (see _layout_key): a training loop repeats a few layouts.
 _LAYOUTS = 256
+# Shared-memory calls' staging kept by layout: at most this many, their regions this many bytes in all.
+_STAGED_LAYOUTS = 16
+_STAGED_BYTES = 16 << 20
 
 
 class Client(BaseClient):
@@ -154,6 +157,9 @@ class Client(BaseClient):
         # message (descriptors, attached ranges, placements), so it is built once (~60 us of Python).
         self._layouts: dict[tuple, tuple[pb.OpCall, bool]] = {}
         self._layouts_lock = threading.Lock()
+        # With shared memory, the staging of recent layouts (staging.StagedLayout): each its own regions.
+        self._staged: dict[tuple, StagedLayout] = {}
+        self._staged_bytes = 0
         self._device_home: int | None = None  # the backend holding this client's device memory
 
     def close(self) -> None:
@@ -346,7 +352,11 @@ class Client(BaseClient):
                 staging.reset(failed=True)  # a previous attempt's, which failed (its regions may still be written)
                 views = {name: byte_view(tensor.data) for name, tensor in call.inputs().items()}
                 layout = self._layout_key(replica, call, views)
-                known = self._layouts.get(layout) if layout is not None else None
+                if layout is not None and self._shared_memory:
+                    staged = self._staged_layout(replica, layout)
+                    if staged is not None:
+                        return staging.adopt(staged, views)
+                known = self._layouts.get(layout) if layout is not None and not self._shared_memory else None
                 if known is not None:
                     if known[1]:
                         staging.attach(views)  # at the same offsets as when it was built: same sizes, same order
@@ -362,7 +372,9 @@ class Client(BaseClient):
                     else:
                         request.params[name].tensor.ref.CopyFrom(data)
                 request.reservation = staging.reservation
-                if layout is not None and (staging.all_attached or not (views or sizes)):  # or all on device
+                if layout is not None and self._shared_memory:
+                    staging.keep(layout, request, views, sizes)
+                elif layout is not None and (staging.all_attached or not (views or sizes)):  # or all on device
                     self._remember_layout(layout, request, attached=staging.attachments is not None)
                 return request
 
@@ -378,10 +390,10 @@ class Client(BaseClient):
 
     def _layout_key(self, replica: int, call: BoundCall, views: Mapping[str, memoryview]) -> tuple | None:
         """What a Run request's encoding depends on, when it may be one kept (tensors attached over the
-        data channel, or in device buffers, keyed by buffer and offset: no shared memory); None
+        data channel or in shared memory, or in device buffers, keyed by buffer and offset); None
         otherwise, or for an unhashable value. Scalars are keyed by type and bits (1, True and 1.0,
         or 0.0 and -0.0, encode differently)."""
-        if self._shared_memory or not self._transfers.attaches(replica):
+        if not self._transfers.attaches(replica):
             return None
         key: list[object] = [replica, call.op, self._transfers.max_inline_bytes(replica)]
         for name, value in call.values.items():
@@ -411,6 +423,47 @@ class Client(BaseClient):
             if len(self._layouts) >= _LAYOUTS:
                 del self._layouts[next(iter(self._layouts))]  # the oldest
             self._layouts[layout] = (known, attached)
+
+    def _staged_layout(self, replica: int, layout: tuple) -> StagedLayout | None:
+        """The staging kept for a shared-memory call's layout, taken out for this call; None when there
+        is none, or its regions were registered again since (a server restarted, or a lease lapsed)."""
+        with self._layouts_lock:
+            staged = self._staged.pop(layout, None)
+            if staged is not None:
+                self._staged_bytes -= staged.nbytes
+        if staged is None:
+            return None
+        try:
+            channel = self._data_channel(replica)
+            current = channel is not None and all(
+                channel.region_id(region, region.fd, region.size, self._timeout) == region_id
+                for region, region_id in staged.ids
+            )
+        except (AclnnError, NoConnection):
+            current = False
+        if current:
+            return staged
+        self._regions.release(staged.regions)
+        return None
+
+    def _keep_staged(self, staged: StagedLayout) -> None:
+        """Keeps a call's staging for its layout (staging.StagedLayout); the oldest kept go back to the
+        pool beyond _STAGED_LAYOUTS of them, or _STAGED_BYTES of their regions."""
+        released = []
+        with self._layouts_lock:
+            if self._closed.is_set():
+                return  # the pool closed its regions
+            other = self._staged.pop(staged.key, None)  # two calls of one layout, built at once
+            if other is not None:
+                self._staged_bytes -= other.nbytes
+                released += other.regions
+            self._staged[staged.key] = staged
+            self._staged_bytes += staged.nbytes
+            while len(self._staged) > _STAGED_LAYOUTS or self._staged_bytes > _STAGED_BYTES:
+                oldest = self._staged.pop(next(iter(self._staged)))
+                self._staged_bytes -= oldest.nbytes
+                released += oldest.regions
+        self._regions.release(released)
 
     def _regions_kept(self, attempt: Callable[[], None]) -> None:
         """Runs a call; when a server lost this session's regions (it restarted, or the lease lapsed),
@@ -711,6 +764,7 @@ class _Transfers:
         self.upload, self.download, self.free = client._upload, client._download, client._free
         self.reserve, self.release_reservation = client._reserve, client._release_reservation
         self.region, self.retire, self.release = client._region, client._retire, client._regions.release
+        self.keep = client._keep_staged
 
     def attaches(self, replica: int) -> bool:
         return self._channel(replica) is not None

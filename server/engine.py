@@ -108,6 +108,8 @@ class CallContext:
     queue_s: float = 0.0
     validation_s: float = 0.0
     compute_s: float = 0.0
+    stored: Any = None  # the caller's storage.Session, once looked up (its regions, its repeated runs)
+    message: memoryview | None = None  # a data-channel Run's request as received (transport/repeats.py)
 
 
 @dataclass(frozen=True)
@@ -410,16 +412,24 @@ class Engine:
     def run_prepared(
         self,
         prepared: PreparedRun,
-        storage: Mapping[str, np.ndarray],
+        storage: Mapping[str, Any],
         destinations: Mapping[str, np.ndarray],
         call: CallContext,
+        checked: bool = False,
     ) -> dict[str, np.ndarray] | None:
-        """`run` of a prepared call on its inputs' `storage`, C-contiguous arrays of the layout it was
-        prepared for, each its tensor's whole view (in process: see LocalClient), into `destinations`;
-        None when the backend changed since (then run it in full)."""
-        if prepared.backend is not self.backend:
+        """`run` of a prepared call on its inputs' `storage` into `destinations`: C-contiguous arrays of
+        the layout it was prepared for, each its tensor's whole view (in process: see LocalClient), or
+        (`checked`) bytes checked to hold each tensor's storage. None when the backend changed since,
+        or the call must wait its turn on its stream (then run it in full)."""
+        if prepared.backend is not self.backend or self._ordered(call):
             return None
-        return self._run_prepared(prepared, storage, destinations, call, checked=False)
+        return self._run_prepared(prepared, storage, destinations, call, checked)
+
+    def prepared_for(self, op: str, values: Mapping[str, Value], call: CallContext) -> PreparedRun | None:
+        """The prepared run that `run` ran a call like this one on (same layout and placements), if cached."""
+        key = plan_key(op, values)
+        prepared = None if key is None else self._prepared.get((key, call.placed, call.kept))
+        return prepared if prepared is not None and prepared.backend is self.backend else None
 
     def _run_prepared(
         self,

@@ -18,8 +18,9 @@ import mmap
 import secrets
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -39,6 +40,7 @@ class Session:
     expires: float
     handles: dict[str, memoryview] = field(default_factory=dict)
     regions: dict[str, MappedRegion] = field(default_factory=dict)
+    repeats: dict[bytes, Any] = field(default_factory=dict)  # Runs served again from their first (repeats.py)
 
 
 class Storage:
@@ -125,13 +127,14 @@ class Storage:
         session.expires = self._clock() + self.session_ttl_s
         return session
 
-    def touch(self, session_id: str | None, owner: str | None, create: bool = False) -> None:
-        """Renews a session's lease (any call naming it); `create`: makes it if new (a call about to keep
-        something in it: an executor, a reservation, a device buffer). A call that keeps nothing makes
-        no session."""
-        if session_id:
-            with self._locked():
-                self._session(session_id, owner, create)
+    def touch(self, session_id: str | None, owner: str | None, create: bool = False) -> Session | None:
+        """Renews a session's lease (any call naming it), and returns it; `create`: makes it if new (a
+        call about to keep something in it: an executor, a reservation, a device buffer). A call that
+        keeps nothing makes no session: it gets an empty one, not kept (None without a session id)."""
+        if not session_id:
+            return None
+        with self._locked():
+            return self._session(session_id, owner, create)
 
     def end(self, session_id: str | None, owner: str | None) -> None:
         """Ends a session now (its client closed): as if its lease had lapsed."""
@@ -145,7 +148,10 @@ class Storage:
 
     def _drop(self, key: SessionKey) -> None:
         """Drops a session with the names of its handles and regions (their memory goes with its last view)."""
-        del self._sessions[key]
+        session = self._sessions.pop(key)
+        session.handles.clear()  # a call that looked its session up still sees them go
+        session.regions.clear()
+        session.repeats.clear()
         self._per_identity[key[0]] -= 1
         if not self._per_identity[key[0]]:
             del self._per_identity[key[0]]
@@ -240,14 +246,18 @@ class Storage:
         if region is None:
             raise invalid_error("region", f"{region_id[:8]!r}... is not registered")
 
-    def region_slice(
-        self, session_id: str | None, owner: str | None, region_id: str, offset: int, size: int
-    ) -> memoryview:
-        """Bytes [offset, offset + size) of a registered region, checked against its bounds."""
+    def lookup(self, session_id: str | None, owner: str | None) -> Session:
+        """The session, its lease renewed: its regions as they are registered and unregistered (a call
+        looks it up once: see region_slice); an empty one, not kept, for a session that has none."""
         with self._locked():
-            region = self._session(session_id, owner, create=False).regions.get(region_id)
-        if region is None:
-            raise invalid_error("region", f"{region_id[:8]!r}... is not registered")
-        if offset + size > len(region):
-            raise invalid_error("region", f"[{offset}, {offset + size}) lies outside the region ({len(region)} bytes)")
-        return region.slice(offset, size)
+            return self._session(session_id, owner, create=False)
+
+
+def region_slice(regions: Mapping[str, MappedRegion], region_id: str, offset: int, size: int) -> memoryview:
+    """Bytes [offset, offset + size) of one of a session's `regions`, checked against its bounds."""
+    region = regions.get(region_id)
+    if region is None:
+        raise invalid_error("region", f"{region_id[:8]!r}... is not registered")
+    if offset + size > len(region):
+        raise invalid_error("region", f"[{offset}, {offset + size}) lies outside the region ({len(region)} bytes)")
+    return region.slice(offset, size)

@@ -291,6 +291,55 @@ def test_registrations_come_back_after_the_lease_lapsed(serve, rng, options, row
         assert served.server.storage.counts()[1] > 0
 
 
+def test_a_layout_called_again_reuses_its_staging(serve, rng):
+    """Client(shared_memory=True) keeps a call's staging by layout: the next call of the same shapes
+    copies its inputs into the same regions and sends the request built before; results stay exact
+    through new data, another layout in between, and calls of one layout from several threads."""
+    served = serve()
+    with Client(served.address, shared_memory=True) as c:
+        p = layer_norm_call(rng, (64, 1024))
+        c.run(OP, **p)
+        check(p)
+        (staged,) = c._staged.values()
+        registered = served.server.storage.counts()[1]
+        assert registered == len(staged.regions) == len(c._regions.all)  # one a tensor
+        for rows in (64, 32, 64, 32, 64):
+            p = layer_norm_call(rng, (rows, 1024))
+            c.run(OP, **p)
+            check(p)
+        assert staged in c._staged.values() and len(c._staged) == 2
+        assert served.server.storage.counts()[1] == 2 * registered  # the two layouts' regions, no more
+
+        def calls(seed: int) -> None:
+            own = np.random.default_rng(seed)
+            for _ in range(10):
+                q = layer_norm_call(own, (64, 1024))
+                c.run(OP, **q)
+                check(q)
+
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            list(pool.map(calls, range(4)))  # each call its own regions: a kept staging is taken out
+        assert len(c._staged) <= 3
+
+
+def test_kept_stagings_are_bounded(serve, rng, monkeypatch):
+    """At most _STAGED_LAYOUTS layouts, _STAGED_BYTES of regions, are kept; older ones go back to the pool."""
+    monkeypatch.setattr(aclnn_client.grpc_client, "_STAGED_BYTES", 4 << 20)
+    served = serve()
+    with Client(served.address, shared_memory=True) as c:
+        for rows in range(1, 41):
+            p = layer_norm_call(rng, (rows, 256))
+            c.run(OP, **p)
+            check(p)
+            assert len(c._staged) <= aclnn_client.grpc_client._STAGED_LAYOUTS
+        p = layer_norm_call(rng, (1024, 1024))  # 4 MiB each input: more than it keeps
+        c.run(OP, **p)
+        check(p)
+        assert c._staged_bytes == sum(s.nbytes for s in c._staged.values()) <= 4 << 20
+        kept = {r for s in c._staged.values() for r in s.regions}
+        assert kept <= set(c._regions.all) and not kept & set(c._regions._free)
+
+
 def test_keepalive_survives_concurrent_registrations(serve, rng, monkeypatch):
     served = serve()
     monkeypatch.setattr(aclnn_client.grpc_client, "_KEEPALIVE_S", 0.001)
@@ -341,6 +390,7 @@ def region_of(serve, request):
         opened.append((sock, view))
         return region_id.decode(), sock, view
 
+    make.served = served
     yield make
     for sock, view in opened:
         sock.close()
@@ -372,6 +422,46 @@ def test_results_placed_in_a_region_are_computed_where_they_lie(region_of, rng):
             got = np.frombuffer(view[offset : offset + size], np.float32).reshape(p[name].shape)
             assert_close(got, refs[name].reshape(p[name].shape), name)
         view[: nbytes["gradOut"]] = p["gradOut"].tobytes()  # the third layout wrote gradInput over it
+
+
+def test_a_run_sent_again_is_served_from_its_first_and_checked_again(region_of, rng, monkeypatch):
+    """A Run sent again byte for byte, every input and result in a region, is served from the first (one
+    full run): on the region's new contents each time. Another session's identical bytes are refused,
+    and once the region is unregistered so are its own, writing nothing (161002 naming the region)."""
+    region, sock, view = region_of(1 << 20)
+    engine = region_of.served.engine
+    full_runs = []
+    monkeypatch.setattr(engine, "run", lambda *a, _f=engine.run, **k: full_runs.append(a[0]) or _f(*a, **k))
+    p = layer_norm_call(rng, (16, 256))
+    inputs = [name for name, value in p.items() if name not in OUTPUTS and isinstance(value, np.ndarray)]
+    offsets, end = {}, 0
+    for name in [*inputs, *OUTPUTS]:
+        offsets[name], end = end, end + -(-p[name].nbytes // 64) * 64
+    payload = placed_call(p, region, {n: offsets[n] for n in inputs}, {n: (offsets[n], p[n].nbytes) for n in OUTPUTS})
+
+    def result(name: str) -> np.ndarray:
+        return np.frombuffer(view[offsets[name] : offsets[name] + p[name].nbytes], np.float32).reshape(p[name].shape)
+
+    for _ in range(3):
+        q = layer_norm_call(rng, (16, 256))  # new contents, the same layout
+        for name in inputs:
+            view[offsets[name] : offsets[name] + q[name].nbytes] = q[name].tobytes()
+        ok, answer = run_in_region(sock, payload)
+        assert ok, error_of(answer).message
+        for name, ref in zip(OUTPUTS, layer_norm_reference(q)):
+            assert_close(result(name), ref.reshape(q[name].shape), name)
+    assert full_runs == [OP]
+    before = bytes(view[offsets["gradInputOut"] : end])
+    with unix_connect(ticket(region_of.served.address, session="s2")) as other:
+        ok, answer = run_in_region(other, payload)
+        assert not ok and (error_of(answer).code, error_of(answer).param) == (161002, "region")
+    assert bytes(view[offsets["gradInputOut"] : end]) == before
+    sock.sendall(request(UNREGISTER_REGION, len(region)) + region.encode())  # its pages are given back
+    assert reply(sock)[0]
+    ok, answer = run_in_region(sock, payload)
+    assert not ok and (error_of(answer).code, error_of(answer).param) == (161002, "region")
+    assert "not registered" in error_of(answer).message
+    assert full_runs == [OP]  # both refused while decoding, before running
 
 
 @pytest.mark.parametrize("backend", ["numpy", "cpu"])

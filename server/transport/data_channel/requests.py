@@ -39,6 +39,7 @@ from aclnn_common.framing import (
 from ...engine import CallContext
 from ...ledger import Hold
 from ...regions import RegionOffer, checked_memfd
+from .. import repeats
 from ..progress import MIN_BYTES_PER_S, progress_deadline
 from ..service import AclnnService, failure_status, new_request_id, release
 from .connection import Connection, Limits, ProtocolError
@@ -250,6 +251,8 @@ class Requests:
                     call.attachment = conn.attachment
                     call.attached_in_place = conn.mailbox.sealed  # not held with the mailbox: with the call
             request = METHODS[method][0].FromString(message)
+            if method == "Run" and not kind & ATTACHED and len(message) <= repeats.MAX_MESSAGE_BYTES:
+                call.message = message  # its tensors and results lie elsewhere: it may repeat (repeats.py)
         except DecodeError:
             return self.fail(conn, status(code_pb2.INVALID_ARGUMENT, f"{method} request does not parse"))
         try:
