@@ -25,6 +25,7 @@ import numpy as np
 from google.rpc import status_pb2
 
 from aclnn_common._proto import aclnn_pb2 as pb
+from aclnn_common.chunks import copy_bytes
 from aclnn_common.errors import AclnnError, Status
 from aclnn_common.framing import (
     ATTACHED,
@@ -251,7 +252,7 @@ class DataChannel:
             if mailbox is not None:
                 mailbox.map[: len(head)] = head
                 for offset, data in parts:
-                    mailbox.map[offset : offset + data.nbytes] = data
+                    copy_bytes(mailbox.array[offset : offset + data.nbytes], data)
                 conn.sock.sendall(_header(kind | IN_MAILBOX, stream, timeout, size))
             elif not parts:
                 send(conn.sock, _header(kind, stream, timeout, size), head)

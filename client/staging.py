@@ -10,7 +10,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from aclnn_common._proto import aclnn_pb2 as pb
-from aclnn_common.chunks import byte_view
+from aclnn_common.chunks import byte_view, copy_bytes
 from aclnn_common.errors import AclnnError
 from aclnn_common.framing import aligned
 from aclnn_common.tensor import Tensor
@@ -187,7 +187,7 @@ class Staging:
         for name, view in data.items():
             region = regions[name]
             if region is not None:
-                region[0].array[: view.nbytes] = np.frombuffer(view, np.uint8)
+                copy_bytes(region[0].array[: view.nbytes], view)
                 self.input_regions[name] = region[0]
                 staged[name] = pb.StorageRef(region=pb.RegionSlice(region=region[1], offset=0, size=view.nbytes))
             elif name in uploads:
@@ -288,7 +288,7 @@ class Staging:
         self.regions, self.region_ids = staged.regions, list(staged.ids)
         self.input_regions, self.output_regions, self.staged = staged.inputs, staged.outputs, staged
         for name, view in inputs.items():
-            staged.inputs[name].array[: view.nbytes] = np.frombuffer(view, np.uint8)
+            copy_bytes(staged.inputs[name].array[: view.nbytes], view)
         request = pb.OpCall()
         request.CopyFrom(staged.request)
         return request

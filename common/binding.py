@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-from collections.abc import Mapping
+from collections.abc import Hashable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from .chunks import copy_bytes
 from .device import DeviceBuffer
 from .errors import AclnnError, Status, invalid_error
 from .tensor import BoolArray, IntArray, Tensor, Value, tensor_from_array
@@ -88,7 +89,11 @@ class BoundCall:
             result = results[name]
             if not isinstance(result, np.ndarray):
                 result.write_into(view)
-            elif not _same_elements(view, result):
+            elif _same_elements(view, result):
+                continue  # computed in place
+            elif view.flags.c_contiguous and result.flags.c_contiguous:
+                copy_bytes(view.reshape(-1).view(np.uint8), result.reshape(-1).view(np.uint8))
+            else:
                 view[...] = result
 
     def destinations(self) -> dict[str, np.ndarray]:
@@ -197,3 +202,37 @@ def _storage_view(name: str, tensor: Tensor) -> np.ndarray:
         )
     except (ValueError, TypeError) as exc:
         raise invalid_error(name, f"output view does not fit its storage array: {exc}") from None
+
+
+def array_layout(op: str, params: Mapping[str, Any]) -> tuple[Hashable, dict[str, np.ndarray]] | None:
+    """What binding and validation read of a call's arguments (a key: calls of one layout bind alike),
+    and its arrays (torch tensors as their NumPy views); None for a call outside the repeated-layout
+    fast paths (LocalClient, Client with shared memory): non-contiguous arrays, descriptors, others."""
+    arrays: dict[str, np.ndarray] = {}
+    key: list[Hashable] = [op]
+    for name, arg in params.items():
+        kind = type(arg)
+        if kind in _PLAIN:  # a float by its bits (0.0 and -0.0 are different calls)
+            key.append((name, kind, arg.hex() if kind is float else arg))
+        elif kind is list or kind is tuple:
+            kinds = tuple(map(type, arg))
+            if not _PLAIN.issuperset(kinds):
+                return None
+            values = tuple(v.hex() if type(v) is float else v for v in arg) if float in kinds else tuple(arg)
+            key.append((name, kind, kinds, values))
+        else:
+            try:
+                array = arg if kind is np.ndarray else torch_array(arg)
+            except TypeError:
+                return None
+            if array is None:
+                return None
+            flags = array.flags
+            if not flags.c_contiguous:
+                return None
+            arrays[name] = array
+            key.append((name, array.dtype, array.shape, array.strides, flags.writeable, flags.aligned))
+    return tuple(key), arrays
+
+
+_PLAIN = frozenset({type(None), bool, int, float, str})

@@ -11,10 +11,9 @@ from typing import Any
 import numpy as np
 
 from aclnn_common.api import BaseClient, Executor
-from aclnn_common.binding import BoundCall, bind
+from aclnn_common.binding import BoundCall, array_layout, bind
 from aclnn_common.device import DeviceBuffer
 from aclnn_common.tensor import Tensor, Value
-from aclnn_common.types import torch_array
 
 from .buffers import ResidentStorage
 from .engine import CallContext, Engine, PreparedRun, plan_key
@@ -57,7 +56,7 @@ class LocalClient(BaseClient):
         if stream is not None:
             return super().run(op, stream=stream, **params)
         self._check_open()
-        layout = _layout(op, params)
+        layout = array_layout(op, params)
         prepared = self._prepared.get(layout[0]) if layout is not None else None
         if prepared is not None and prepared(self, layout[1]):
             return None
@@ -183,36 +182,3 @@ class _Prepared:
                 return False
         destinations = {name: arrays[name] for name in self.outputs}
         return client.engine.run_prepared(self.run, arrays, destinations, client._call()) is not None
-
-
-def _layout(op: str, params: Mapping[str, Any]) -> tuple[Hashable, dict[str, np.ndarray]] | None:
-    """What binding and validation read of a call's arguments, and its arrays (torch tensors as their
-    NumPy views); None for a call outside the fast path (non-contiguous arrays, descriptors, others)."""
-    arrays: dict[str, np.ndarray] = {}
-    key: list[Hashable] = [op]
-    for name, arg in params.items():
-        kind = type(arg)
-        if kind in _PLAIN:  # a float by its bits (0.0 and -0.0 are different calls)
-            key.append((name, kind, arg.hex() if kind is float else arg))
-        elif kind is list or kind is tuple:
-            kinds = tuple(map(type, arg))
-            if not _PLAIN.issuperset(kinds):
-                return None
-            values = tuple(v.hex() if type(v) is float else v for v in arg) if float in kinds else tuple(arg)
-            key.append((name, kind, kinds, values))
-        else:
-            try:
-                array = arg if kind is np.ndarray else torch_array(arg)
-            except TypeError:
-                return None
-            if array is None:
-                return None
-            flags = array.flags
-            if not flags.c_contiguous:
-                return None
-            arrays[name] = array
-            key.append((name, array.dtype, array.shape, array.strides, flags.writeable, flags.aligned))
-    return tuple(key), arrays
-
-
-_PLAIN = frozenset({type(None), bool, int, float, str})

@@ -44,11 +44,7 @@ class RepeatedRun:
     reply: pb.RunResponse
 
 
-_lock = threading.Lock()  # around each session's `repeats`, which concurrent calls of a session share
-
-
-def find(repeats: dict[bytes, RepeatedRun], key: bytes) -> RepeatedRun | None:
-    return repeats.get(key)
+_lock = threading.Lock()  # around changes to a session's `repeats`, which its concurrent calls share
 
 
 def keep(repeats: dict[bytes, RepeatedRun], key: bytes, run: RepeatedRun) -> None:

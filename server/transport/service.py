@@ -259,7 +259,7 @@ class AclnnService:
         if call.message is None or not call.session:
             return None
         session, key = self._session_of(call), bytes(call.message)
-        run = repeats.find(session.repeats, key)
+        run = session.repeats.get(key)
         if run is None:
             return None
         try:
