@@ -247,12 +247,25 @@ class AclnnService:
         in_regions = self._run_regions(values, request.placements, call)
         size, outputs = self.engine.run(request.op, values, call, in_regions)
         reply = pb.RunResponse(workspace_size=size, outputs=self._place(outputs, request.placements, call, in_regions))
-        if call.message is not None and in_regions:  # all in regions, maybe: kept for its repeats (repeats.py)
-            prepared = self.engine.prepared_for(request.op, values, call)
-            run = prepared and repeats.repeated_run(prepared, request, call, outputs, in_regions, reply)
-            if run:
-                repeats.keep(self._session_of(call).repeats, bytes(call.message), run)
+        self._keep_for_repeats(request, call, values, outputs, in_regions, reply)
         return reply
+
+    def _keep_for_repeats(
+        self,
+        request: pb.OpCall,
+        call: CallContext,
+        values: Mapping[str, Any],
+        outputs: Mapping[str, np.ndarray],
+        in_regions: Mapping[str, np.ndarray],
+        reply: pb.RunResponse,
+    ) -> None:
+        """Keeps a Run that ran in full for its repeats, when it can repeat (repeats.py)."""
+        if call.message is None or not in_regions:  # not a data-channel Run with its results in regions
+            return
+        prepared = self.engine.prepared_for(request.op, values, call)
+        run = prepared and repeats.repeated_run(prepared, request, call, outputs, in_regions, reply)
+        if run:
+            repeats.keep(self._session_of(call).repeats, bytes(call.message), run)
 
     def _repeat(self, request: pb.OpCall, call: CallContext) -> pb.RunResponse | None:
         """A Run served from the first like it in its session (repeats.py); None: run it in full."""
