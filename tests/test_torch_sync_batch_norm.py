@@ -124,25 +124,36 @@ def worker(rank: int, store: str, cases: list[tuple[list[int], str | None]]) -> 
                 assert ops.count("aclnnBatchNormElemtBackward") == 3 * 3
             else:  # an empty batch only takes part in the reductions (and updates its running statistics)
                 assert set(ops) == {"aclnnBatchNormGatherStatsWithCounts"}, ops
+        with open(f"{store}.passed{rank}", "w"):
+            pass  # every check of this rank passed (see spawn_pair)
         # Both ranks done before either tears its group down: a gloo peer closed under the other's last
-        # exchange can abort it ("terminate called without an active exception": CI saw it once).
+        # exchange can abort it ("terminate called without an active exception").
         dist.barrier()
     finally:
         dist.destroy_process_group()
 
 
+def spawn_pair(store: str, cases: list[tuple[list[int], str | None]]) -> None:
+    """Runs `worker` in two processes. A worker that aborts (SIGABRT) once both ranks passed every
+    check is torch's gloo tearing its group down, not the service (CI saw it twice in some hundred
+    runs, after the barrier above): anything else fails the test."""
+    try:
+        mp.spawn(worker, args=(store, cases), nprocs=2, join=True)
+    except mp.ProcessExitedException as exc:
+        if exc.signal_name != "SIGABRT" or not all(os.path.exists(f"{store}.passed{rank}") for rank in (0, 1)):
+            raise
+
+
 def test_two_processes_on_halves_match_one_on_the_whole_batch(tmp_path):
     """A LocalClient in each process."""
-    cases = [([4, 4], None)]
-    mp.spawn(worker, args=(str(tmp_path / "store"), cases), nprocs=2, join=True)
+    spawn_pair(str(tmp_path / "store"), [([4, 4], None)])
 
 
 @pytest.mark.slow
 def test_uneven_and_empty_shares_and_a_server(tmp_path, serve):
     """Counts differ per process; a process with no rows still takes part in every reduction; both
     processes through one server (the running statistics come back from it in place)."""
-    cases = [([3, 5], None), ([0, 8], None), ([5, 3], serve().address)]
-    mp.spawn(worker, args=(str(tmp_path / "store"), cases), nprocs=2, join=True)
+    spawn_pair(str(tmp_path / "store"), [([3, 5], None), ([0, 8], None), ([5, 3], serve().address)])
 
 
 def test_without_a_process_group_it_is_the_offloaded_batch_norm():
