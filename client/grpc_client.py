@@ -501,7 +501,7 @@ class Client(BaseClient):
         try:
             return attempt()
         except AclnnError as error:
-            if not (error.param == "region" and "is not registered" in error.message):  # results' regions too
+            if not _regions_lost(error):  # results' regions too
                 raise
         log.info("a server lost this client's shared-memory regions: registering them again")
         for channel in list(self._data_channels.values()):
@@ -844,14 +844,11 @@ class _Repeat:
         if staged is None:
             return False
         try:
-            for name, region in staged.inputs.items():
-                data = arrays[name].reshape(-1).view(np.uint8)
-                copy_bytes(region.array[: data.nbytes], data)
+            staged.copy_in({name: arrays[name].reshape(-1).view(np.uint8) for name in staged.inputs})
             reply = client._call_on(self.replica, "Run", staged.request)
         except AclnnError as error:
             client._retire(staged.regions)  # as a failed call's: the server may still write into them
-            lost = error.param == "region" and "is not registered" in error.message
-            if lost or error.grpc_code in _RETRYABLE or error.grpc_code == _DEVICE_FAILED:
+            if _regions_lost(error) or error.grpc_code in _RETRYABLE or error.grpc_code == _DEVICE_FAILED:
                 return False  # the full way tries again, or elsewhere, as it would have
             raise
         except BaseException:
@@ -867,6 +864,11 @@ class _Repeat:
 
 
 _DOUBLE = struct.Struct("<d")
+
+
+def _regions_lost(error: AclnnError) -> bool:
+    """Whether a server no longer knows a region of this client's session (it restarted, or the lease lapsed)."""
+    return error.param == "region" and "is not registered" in error.message
 
 
 def _lost(executor: Executor, error: AclnnError) -> bool:

@@ -93,6 +93,11 @@ class StagedLayout:
     def nbytes(self) -> int:
         return sum(region.size for region, _ in self.ids)
 
+    def copy_in(self, inputs: Mapping[str, memoryview | np.ndarray]) -> None:
+        """Copies each input's bytes (flat: a memoryview or a uint8 array) into its region."""
+        for name, data in inputs.items():
+            copy_bytes(self.inputs[name].array[: data.nbytes], data)
+
 
 class Download:
     """A result kept on the server, streamed straight into the caller's output when written."""
@@ -287,8 +292,7 @@ class Staging:
         """Stages a call in a kept layout's regions (its inputs copied in); its request."""
         self.regions, self.region_ids = staged.regions, list(staged.ids)
         self.input_regions, self.output_regions, self.staged = staged.inputs, staged.outputs, staged
-        for name, view in inputs.items():
-            copy_bytes(staged.inputs[name].array[: view.nbytes], view)
+        staged.copy_in(inputs)
         request = pb.OpCall()
         request.CopyFrom(staged.request)
         return request

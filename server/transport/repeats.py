@@ -70,9 +70,7 @@ def repeated_run(
 ) -> RepeatedRun | None:
     """The run's repeat, or None when it cannot repeat this way: an input not in a region, a result
     not computed in place in one (inline, attached or kept), or memory reserved for it."""
-    if request.reservation or call.attached_results or outputs.keys() != in_regions.keys():
-        return None
-    if not all(outputs[name] is in_regions[name] for name in outputs):
+    if request.reservation or call.attached_results or not computed_in(outputs, in_regions):
         return None
     inputs = []
     for name in prepared.plan.inputs:
@@ -86,6 +84,11 @@ def repeated_run(
         (name, _place(request.placements[name].region), array.shape, array.dtype) for name, array in outputs.items()
     )
     return RepeatedRun(prepared, call.placed, call.kept, tuple(inputs), results, reply)
+
+
+def computed_in(outputs: Mapping[str, np.ndarray], arrays: Mapping[str, Any]) -> bool:
+    """Whether the engine computed every output into the array given for it, and only those."""
+    return outputs.keys() == arrays.keys() and all(outputs[name] is arrays[name] for name in outputs)
 
 
 def _place(region: pb.RegionSlice) -> RegionPlace:

@@ -288,7 +288,7 @@ class AclnnService:
         outputs = self.engine.run_prepared(run.prepared, storage, destinations, call, checked=True)
         if outputs is None:  # the backend changed, or the call waits its turn on its stream: in full
             return None
-        if outputs.keys() == destinations.keys() and all(outputs[name] is destinations[name] for name in outputs):
+        if repeats.computed_in(outputs, destinations):
             return run.reply
         placed_outputs = self._place(outputs, request.placements, call, destinations)
         return pb.RunResponse(workspace_size=run.prepared.workspace_size, outputs=placed_outputs)
