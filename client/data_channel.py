@@ -57,8 +57,11 @@ from aclnn_common.wire import decode_status
 from .regions import Region
 
 # A connection's mailbox is made on its first payload above MAILBOX_FROM: at least this large (the
-# payload's size rounded up to a power of two), and replaced by a larger one as payloads grow.
+# payload's size rounded up to a power of two, above HELD_MAILBOX_BYTES to a multiple of
+# _MAILBOX_STEP_BYTES: every page of such a mailbox is allocated, for the connection's life), and
+# replaced by a larger one as payloads grow.
 _MAILBOX_START_BYTES = 256 << 10
+_MAILBOX_STEP_BYTES = 16 << 20
 
 # A mailbox's registration refused as busy is asked again this many times in all, after 5, 10, 20, 40 ms.
 _REGISTER_TRIES = 5
@@ -366,7 +369,10 @@ class DataChannel:
             return conn.mailbox
         if size > MAILBOX_MAX_BYTES or conn.mailbox_refused:
             return None
-        size = max(_MAILBOX_START_BYTES, 1 << (size - 1).bit_length())
+        wanted = size
+        size = max(_MAILBOX_START_BYTES, 1 << (wanted - 1).bit_length())
+        if size > HELD_MAILBOX_BYTES:
+            size = -(-wanted // _MAILBOX_STEP_BYTES) * _MAILBOX_STEP_BYTES
         try:
             mailbox = Region(size, "aclnn-mailbox", holeless=size > HELD_MAILBOX_BYTES)
         except OSError:  # no memory for it now, or a kernel before Linux 5.1 (no F_SEAL_FUTURE_WRITE)

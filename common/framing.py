@@ -86,9 +86,10 @@ IN_MAILBOX = 0x80  # on a CALL's kind: the payload is in the connection's mailbo
 ATTACHED = 0x40  # on a CALL's kind: tensor bytes follow the message, raw (and so in its reply)
 ATTACHMENT_ALIGN = 64  # the attached part, and each tensor in it, starts at a multiple of this
 # A Unix-socket buffer holds ~36.5 KiB (one page-sized head and 32 KiB of pages): payloads above
-# this travel in the connection's mailbox, of at most MAILBOX_MAX_BYTES.
+# this travel in the connection's mailbox, of at most MAILBOX_MAX_BYTES (room for a call with two
+# 64 MiB tensors: a larger call's tensors go through the socket as uploads, at half the speed).
 MAILBOX_FROM = 32 << 10
-MAILBOX_MAX_BYTES = 64 << 20
+MAILBOX_MAX_BYTES = 256 << 20
 # Mailboxes up to this size are held in the server's memory ledger while mapped; larger ones are sealed
 # against holes instead, and a call holds what it reads of one while it runs.
 HELD_MAILBOX_BYTES = 16 << 20

@@ -29,7 +29,9 @@ from test_shared_memory import (
 from test_transport import wait_for
 
 from aclnn_client import AclnnError, Client
+from aclnn_client.grpc_client import MAX_MAILBOX_ATTACHED_BYTES
 from aclnn_client.regions import F_SEAL_FUTURE_WRITE
+from aclnn_client.staging import Staging
 from aclnn_common._proto import aclnn_pb2 as pb
 from aclnn_common.framing import CALL, HELD_MAILBOX_BYTES, IN_MAILBOX, MAILBOX, MAILBOX_MAX_BYTES, REGION, REQUEST
 from aclnn_common.wire import decode_output
@@ -109,11 +111,17 @@ def test_large_calls_travel_in_a_mailbox_that_grows_and_goes_with_its_connection
         assert mailbox_fds(proc.pid) == [32 * MIB] and mailbox_maps(proc.pid) == [32 * MIB]
         (mailbox,) = mailbox_fds(os.getpid(), descriptors=True)
         assert fcntl.fcntl(mailbox, fcntl.F_GET_SEALS) & F_SEAL_FUTURE_WRITE  # nobody can punch a hole in it
-        # 2 x 32.8 MB: more than a mailbox takes (MAX_MAILBOX_ATTACHED_BYTES): the largest is uploaded
-        p = layer_norm_call(rng, (8000, 1024))
+        # 2 x 20.5 MB: every page of a mailbox this large is the client's for the connection's life, so
+        # it grows by 16 MiB steps (48 MiB), not to the next power of two (64 MiB)
+        p = layer_norm_call(rng, (5000, 1024))
         c.run(OP, **p)
         check(p)
-        assert mailbox_fds(proc.pid) == [64 * MIB]
+        assert mailbox_fds(proc.pid) == [48 * MIB] and mailbox_maps(os.getpid()) == [48 * MIB]
+        # 2 x 34.4 MB: above max_inline_bytes, uploaded; the mailbox stays as it was
+        p = layer_norm_call(rng, (8400, 1024))
+        c.run(OP, **p)
+        check(p)
+        assert mailbox_fds(proc.pid) == [48 * MIB]
         with concurrent.futures.ThreadPoolExecutor(4) as pool:  # a mailbox per pooled connection
             calls = [layer_norm_call(rng, (16, 1024)) for _ in range(8)]
             list(pool.map(lambda q: c.run(OP, **q), calls))
@@ -124,6 +132,23 @@ def test_large_calls_travel_in_a_mailbox_that_grows_and_goes_with_its_connection
     # closed with their connections: the server closes a mailbox's descriptors a moment before it
     # unmaps it (CPython's mmap closes its duplicate, then unmaps), so both are waited for
     wait_for(lambda: mailbox_fds(proc.pid) == [] and mailbox_maps(proc.pid) == [])
+
+
+def test_tensors_beyond_what_a_mailbox_takes_are_uploaded_largest_first(server_process):
+    """A call may attach at most MAX_MAILBOX_ATTACHED_BYTES over the Unix socket: beyond, its largest
+    inline tensors are uploaded instead (asked of a real client of a real server, by sizes alone: a
+    call that large would need ~300 MB of arrays)."""
+    _proc, address = server_process
+    with Client(address, max_inline_bytes=200 * MIB) as c:
+        staging = Staging(c._transfers)
+        most = c._transfers.max_attached_bytes(0)
+        assert most == MAX_MAILBOX_ATTACHED_BYTES
+        assert staging._uploads(0, {"a": 160 * MIB, "b": 100 * MIB, "c": 4 * MIB}) == ["a"]
+        assert staging._uploads(0, {"a": 120 * MIB, "b": 120 * MIB, "c": 4 * MIB}) == []
+        assert staging._uploads(0, {"a": 201 * MIB, "b": 100 * MIB}) == ["a"]  # above max_inline_bytes
+    with Client(address, unix_socket=False) as c:  # over TCP nothing is attached in a mailbox
+        assert c._transfers.max_attached_bytes(0) is None
+        assert Staging(c._transfers)._uploads(0, {"a": 5 * MIB, "b": 4 * MIB}) == ["a"]
 
 
 def test_a_mailbox_refused_as_busy_is_asked_for_again(serve, rng):

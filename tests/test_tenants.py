@@ -520,7 +520,7 @@ def test_a_reserved_call_with_inputs_read_in_place_runs_on_its_reservation(serve
         return slot(parts, *args, **kwargs)
 
     monkeypatch.setattr(served.engine.admission, "slot", recording)
-    with Client(served.address) as c:
+    with Client(served.address, max_inline_bytes=16 * MiB) as c:  # tensors above it uploaded
         p = layer_norm_call(rng, (2048, 1024))  # 8 MiB tensors inline: the connection's mailbox is 32 MiB
         c.run(OP, **p)
         check(p)
