@@ -62,6 +62,8 @@ from .regions import Region
 # replaced by a larger one as payloads grow.
 _MAILBOX_START_BYTES = 256 << 10
 _MAILBOX_STEP_BYTES = 16 << 20
+# The largest mailbox a server takes that does not say (DataChannelTicket.mailbox_max_bytes unset).
+UNSAID_MAILBOX_MAX_BYTES = 64 << 20
 
 # A mailbox's registration refused as busy is asked again this many times in all, after 5, 10, 20, 40 ms.
 _REGISTER_TRIES = 5
@@ -202,11 +204,13 @@ class DataChannel:
         open_ticket: Callable[[], bytes],
         tls: ssl.SSLContext | None = None,
         server_hostname: str | None = None,  # the name its certificate must show (default: the address's host)
+        mailbox_max_bytes: int = MAILBOX_MAX_BYTES,  # the largest mailbox the server takes (its ticket says)
         max_connections: int = 32,
         connect_timeout: float = 5.0,  # seconds to reach the server before the client settles for gRPC
     ) -> None:
         self.address, self.tls = address, tls
         self.unix = isinstance(address, str)
+        self.mailbox_max_bytes = min(mailbox_max_bytes, MAILBOX_MAX_BYTES)
         self._server_hostname = server_hostname or (None if self.unix else address[0])
         self._ticket, self._open_ticket = ticket, open_ticket
         self._connect_timeout = connect_timeout
@@ -367,7 +371,7 @@ class DataChannel:
         None: the bytes go through the socket."""
         if conn.mailbox is not None and size <= conn.mailbox.size:
             return conn.mailbox
-        if size > MAILBOX_MAX_BYTES or conn.mailbox_refused:
+        if size > self.mailbox_max_bytes or conn.mailbox_refused:
             return None
         wanted = size
         size = max(_MAILBOX_START_BYTES, 1 << (wanted - 1).bit_length())

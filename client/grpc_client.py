@@ -28,7 +28,7 @@ from aclnn_common.tensor import Tensor, Value
 from aclnn_common.types import numpy_dtype
 from aclnn_common.wire import decode_error, encode_call
 
-from .data_channel import Attachments, DataChannel, NoConnection
+from .data_channel import UNSAID_MAILBOX_MAX_BYTES, Attachments, DataChannel, NoConnection
 from .pool import RECONNECT_WAIT_S, Pool, data_channel_host, is_loopback, parse_target
 from .regions import Region, RegionPool
 from .staging import StagedLayout, Staging
@@ -65,7 +65,8 @@ _SERVICE_CONFIG = '{"loadBalancingConfig": [{"round_robin": {}}]}'
 UNIX_INLINE_BYTES = 64 << 20
 TCP_INLINE_BYTES = 4 << 20
 GRPC_INLINE_BYTES = 512 << 10
-MAX_MAILBOX_ATTACHED_BYTES = MAILBOX_MAX_BYTES - (1 << 20)  # room for the call's message
+_MAILBOX_MESSAGE_ROOM = 1 << 20  # of a mailbox, kept for the call's message: the rest may be attached
+MAX_MAILBOX_ATTACHED_BYTES = MAILBOX_MAX_BYTES - _MAILBOX_MESSAGE_ROOM
 # Run requests kept per client, by layout (see _layout_key): a training loop repeats a few layouts.
 _LAYOUTS = 256
 # Shared-memory calls' staging kept by layout: at most this many, their regions this many bytes in all.
@@ -691,7 +692,14 @@ class Client(BaseClient):
         for way in ways:
             tls = self._tls.context() if self._tls and not isinstance(way, str) else None
             # Its ticket came from the backend at this address: its data port is at the same address.
-            channel = DataChannel(way, offer.ticket, open_ticket, tls=tls, server_hostname=self._pool.target.host)
+            channel = DataChannel(
+                way,
+                offer.ticket,
+                open_ticket,
+                tls=tls,
+                server_hostname=self._pool.target.host,
+                mailbox_max_bytes=offer.mailbox_max_bytes or UNSAID_MAILBOX_MAX_BYTES,
+            )
             try:
                 channel.warm()  # one real connection (TLS and admission included) proves the way
             except NoConnection as exc:
@@ -809,9 +817,10 @@ class _Transfers:
         return UNIX_INLINE_BYTES if channel.unix else TCP_INLINE_BYTES
 
     def max_attached_bytes(self, replica: int) -> int | None:
-        """Over the Unix socket a call's attached bytes travel in a mailbox, of at most MAILBOX_MAX_BYTES."""
+        """Over the Unix socket a call's attached bytes travel in a mailbox, of at most what the server
+        takes (its ticket says: MAILBOX_MAX_BYTES, or 64 MiB from a server that does not say)."""
         channel = self._channel(replica)
-        return MAX_MAILBOX_ATTACHED_BYTES if channel is not None and channel.unix else None
+        return channel.mailbox_max_bytes - _MAILBOX_MESSAGE_ROOM if channel is not None and channel.unix else None
 
     def _channel(self, replica: int) -> DataChannel | None:
         try:

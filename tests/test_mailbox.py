@@ -35,6 +35,8 @@ from aclnn_client.staging import Staging
 from aclnn_common._proto import aclnn_pb2 as pb
 from aclnn_common.framing import CALL, HELD_MAILBOX_BYTES, IN_MAILBOX, MAILBOX, MAILBOX_MAX_BYTES, REGION, REQUEST
 from aclnn_common.wire import decode_output
+from aclnn_server.transport.data_channel import loop as loop_module
+from aclnn_server.transport.data_channel import requests as requests_module
 
 MIB = 1 << 20
 MAPPED = 64 << 10  # the head of a mailbox the server maps (read-only) when the ledger cannot hold all of it
@@ -149,6 +151,25 @@ def test_tensors_beyond_what_a_mailbox_takes_are_uploaded_largest_first(server_p
     with Client(address, unix_socket=False) as c:  # over TCP nothing is attached in a mailbox
         assert c._transfers.max_attached_bytes(0) is None
         assert Staging(c._transfers)._uploads(0, {"a": 5 * MIB, "b": 4 * MIB}) == ["a"]
+
+
+@pytest.mark.parametrize("older", [False, True], ids=["this-server", "a-server-from-before"])
+def test_a_call_attaches_no_more_than_its_server_takes_in_a_mailbox(serve, rng, monkeypatch, older):
+    """This server takes mailboxes of up to MAILBOX_MAX_BYTES and says so in its ticket: two 34.4 MB
+    tensors go inline in one. A server from before that field says nothing and takes at most 64 MiB:
+    there the client attaches at most 63 MiB and uploads the larger tensor (sent through the socket
+    instead, the call would be over that server's message limit)."""
+    if older:
+        monkeypatch.setattr(requests_module, "MAILBOX_MAX_BYTES", 64 * MIB)  # what it refuses beyond
+        monkeypatch.setattr(loop_module, "MAILBOX_MAX_BYTES", 0)  # what its ticket says: nothing
+    served = serve()
+    with Client(served.address) as c:
+        assert c._transfers.max_attached_bytes(0) == (63 * MIB if older else MAX_MAILBOX_ATTACHED_BYTES)
+        p = layer_norm_call(rng, (8400, 1024))
+        c.run(OP, **p)
+        check(p)
+    uploads = served.server.metrics.requests.labels("UploadTensor", "", "ACLNN_SUCCESS")._value.get()
+    assert uploads == (1 if older else 0)
 
 
 def test_a_mailbox_refused_as_busy_is_asked_for_again(serve, rng):

@@ -37,7 +37,7 @@ from typing import Any
 from google.rpc import code_pb2, status_pb2
 
 from aclnn_common._proto import aclnn_pb2 as pb
-from aclnn_common.framing import MAGIC, REPLY, ConnectionLost
+from aclnn_common.framing import MAGIC, MAILBOX_MAX_BYTES, REPLY, ConnectionLost
 
 from ...config import OptionError, options_at_fault
 from ...engine import CallContext
@@ -167,7 +167,10 @@ class DataChannelServer:
     def issue_ticket(self, call: CallContext) -> pb.DataChannelTicket:
         """A ticket admitting connections, for a while, as this caller and session; and where to use it."""
         ticket = self._tickets.issue(call.owner, call.session)
-        return pb.DataChannelTicket(port=self.port, ticket=ticket, unix_path=self.unix_path or "")
+        mailbox_max = MAILBOX_MAX_BYTES if self.unix_path else 0
+        return pb.DataChannelTicket(
+            port=self.port, ticket=ticket, unix_path=self.unix_path or "", mailbox_max_bytes=mailbox_max
+        )
 
     @property
     def open_connections(self) -> int:
