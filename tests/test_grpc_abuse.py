@@ -151,7 +151,10 @@ def test_health_answers_while_every_slot_is_taken_and_calls_are_refused():
                     try:
                         stub.Run(pb.OpCall(op=OP), timeout=10)
                     except grpc.RpcError as error:
-                        refusals.append((error.code(), retry_delay(error), time.monotonic() - started))
+                        # A call still in flight when the slots are released may be admitted (and fail
+                        # as the empty call it is): only calls answered while saturated count.
+                        if not release.is_set():
+                            refusals.append((error.code(), retry_delay(error), time.monotonic() - started))
 
             flood = threading.Thread(target=refused_calls)
             flood.start()
