@@ -35,8 +35,6 @@ from aclnn_client.staging import Staging
 from aclnn_common._proto import aclnn_pb2 as pb
 from aclnn_common.framing import CALL, HELD_MAILBOX_BYTES, IN_MAILBOX, MAILBOX, MAILBOX_MAX_BYTES, REGION, REQUEST
 from aclnn_common.wire import decode_output
-from aclnn_server.transport.data_channel import loop as loop_module
-from aclnn_server.transport.data_channel import requests as requests_module
 
 MIB = 1 << 20
 MAPPED = 64 << 10  # the head of a mailbox the server maps (read-only) when the ledger cannot hold all of it
@@ -159,6 +157,11 @@ def test_a_call_attaches_no_more_than_its_server_takes_in_a_mailbox(serve, rng, 
     tensors go inline in one. A server from before that field says nothing and takes at most 64 MiB:
     there the client attaches at most 63 MiB and uploads the larger tensor (sent through the socket
     instead, the call would be over that server's message limit)."""
+    # Imported here: other users' processes import this module, and the server's imports need what
+    # they cannot read once they are another user (tests/users.py).
+    from aclnn_server.transport.data_channel import loop as loop_module
+    from aclnn_server.transport.data_channel import requests as requests_module
+
     if older:
         monkeypatch.setattr(requests_module, "MAILBOX_MAX_BYTES", 64 * MIB)  # what it refuses beyond
         monkeypatch.setattr(loop_module, "MAILBOX_MAX_BYTES", 0)  # what its ticket says: nothing
