@@ -13,6 +13,7 @@ The protocol is in aclnn_common/framing.py.
 from __future__ import annotations
 
 import contextlib
+import logging
 import select
 import socket
 import ssl
@@ -56,6 +57,8 @@ from aclnn_common.wire import decode_status
 
 from .regions import Region
 
+log = logging.getLogger("aclnn_client")
+
 # A connection's mailbox is made on its first payload above MAILBOX_FROM: at least this large (the
 # payload's size rounded up to a power of two, above HELD_MAILBOX_BYTES to a multiple of
 # _MAILBOX_STEP_BYTES: every page of such a mailbox is allocated, for the connection's life), and
@@ -64,6 +67,9 @@ _MAILBOX_START_BYTES = 256 << 10
 _MAILBOX_STEP_BYTES = 16 << 20
 # The largest mailbox a server takes that does not say (DataChannelTicket.mailbox_max_bytes unset).
 UNSAID_MAILBOX_MAX_BYTES = 64 << 20
+# The largest payload sent through the Unix socket when no mailbox can be had: what a server takes
+# at its default message limit (--max-message-bytes).
+_SOCKET_PAYLOAD_BYTES = 64 << 20
 
 # A mailbox's registration refused as busy is asked again this many times in all, after 5, 10, 20, 40 ms.
 _REGISTER_TRIES = 5
@@ -256,6 +262,8 @@ class DataChannel:
         size = len(head) + (attachments.size if attachments is not None else 0)
         with self._connection(timeout) as conn:
             mailbox = self._mailbox(conn, size, timeout) if self.unix and size > MAILBOX_FROM else None
+            if mailbox is None and self.unix and size > _SOCKET_PAYLOAD_BYTES:
+                raise self._no_mailbox(size)
             if mailbox is not None:
                 mailbox.map[: len(head)] = head
                 for offset, data in parts:
@@ -396,6 +404,22 @@ class DataChannel:
             conn.mailbox.close()
         conn.mailbox = mailbox
         return mailbox
+
+    def _no_mailbox(self, size: int) -> AclnnError:
+        """A payload larger than the socket carries, and no mailbox for it (no memory for one now, or
+        the connection's refused): from now on this channel's calls attach no more than the socket
+        carries, and this one is answered as busy, so that it is staged again with its largest
+        tensors uploaded. Nothing of it was sent."""
+        if self.mailbox_max_bytes > _SOCKET_PAYLOAD_BYTES:
+            self.mailbox_max_bytes = _SOCKET_PAYLOAD_BYTES
+            log.warning(
+                "data channel %s: no mailbox could be made for a %d-byte call: calls attach at most %d bytes "
+                "from now on, and upload their largest tensors beyond",
+                self,
+                size,
+                _SOCKET_PAYLOAD_BYTES,
+            )
+        return _lost(f"no mailbox for a {size}-byte call", grpc.StatusCode.RESOURCE_EXHAUSTED)
 
     def _register_mailbox(self, conn: _Connection, mailbox: Region, timeout: float | None) -> None:
         """Passes the mailbox; while the server is busy with the identity's other registrations (one at

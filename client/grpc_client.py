@@ -428,7 +428,8 @@ class Client(BaseClient):
         or 0.0 and -0.0, encode differently)."""
         if not self._transfers.attaches(replica):
             return None
-        key: list[object] = [replica, call.op, self._transfers.max_inline_bytes(replica)]
+        limits = (self._transfers.max_inline_bytes(replica), self._transfers.max_attached_bytes(replica))
+        key: list[object] = [replica, call.op, limits]
         for name, value in call.values.items():
             if isinstance(value, Tensor):
                 if isinstance(value.data, DeviceBuffer):

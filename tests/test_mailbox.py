@@ -360,7 +360,7 @@ def test_a_mailbox_this_host_cannot_make_leaves_the_payload_to_the_socket(serve,
     monkeypatch.setattr(aclnn_client.regions, "F_SEAL_FUTURE_WRITE", 1 << 20)  # a seal no kernel knows
     served = serve()
     with Client(served.address) as c:
-        p = layer_norm_call(rng, (4096, 1024))  # two 16 MiB tensors inline: a 64 MiB mailbox asked for
+        p = layer_norm_call(rng, (4096, 1024))  # two 16 MiB tensors inline: a 48 MiB mailbox asked for
         c.run(OP, **p)
         check(p)
         assert mailbox_maps(os.getpid()) == []
@@ -368,3 +368,27 @@ def test_a_mailbox_this_host_cannot_make_leaves_the_payload_to_the_socket(serve,
         c.run(OP, **p)
         check(p)
         assert mailbox_maps(os.getpid()) == [4 * MIB, 4 * MIB]
+
+
+def test_a_call_larger_than_the_socket_carries_without_a_mailbox_is_staged_again_with_uploads(serve, rng, monkeypatch):
+    """Two 40 MiB tensors (80 MiB attached) and no mailbox to be had (here: a seal the kernel refuses;
+    as well: no memory for one now): through the socket the call would be over the server's message
+    limit, so it is staged again with its larger tensor uploaded, and later calls on that channel
+    attach no more than the socket carries."""
+    import aclnn_client.regions
+
+    monkeypatch.setattr(aclnn_client.regions, "F_SEAL_FUTURE_WRITE", 1 << 20)  # a seal no kernel knows
+    served = serve()
+    with Client(served.address) as c:
+        assert c._transfers.max_attached_bytes(0) == MAX_MAILBOX_ATTACHED_BYTES
+        p = layer_norm_call(rng, (10240, 1024))
+        c.run(OP, **p)
+        check(p)
+        assert c._transfers.max_attached_bytes(0) == 63 * MIB
+        p = layer_norm_call(rng, (10240, 1024))  # the same layout again: staged anew, one tensor uploaded
+        c.run(OP, **p)
+        check(p)
+    uploads = served.server.metrics.requests.labels("UploadTensor", "", "ACLNN_SUCCESS")._value.get()
+    assert uploads == 2
+    refused = served.server.metrics.requests.labels("Run", OP, "RESOURCE_EXHAUSTED")._value.get()
+    assert refused == 0  # nothing of the first try was sent
