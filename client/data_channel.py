@@ -396,6 +396,8 @@ class DataChannel:
             # A server that takes no mailbox, or not one this large; busy (the identity's other
             # registrations are queued): this payload goes through the socket, the next one asks again.
             conn.mailbox_refused = error.grpc_code != grpc.StatusCode.RESOURCE_EXHAUSTED
+            if not conn.mailbox_refused and wanted > _SOCKET_PAYLOAD_BYTES:
+                raise  # busy, and more than the socket carries: the call is answered as busy (asked again)
             return None
         except BaseException:
             mailbox.close()
@@ -406,10 +408,11 @@ class DataChannel:
         return mailbox
 
     def _no_mailbox(self, size: int) -> AclnnError:
-        """A payload larger than the socket carries, and no mailbox for it (no memory for one now, or
-        the connection's refused): from now on this channel's calls attach no more than the socket
-        carries, and this one is answered as busy, so that it is staged again with its largest
-        tensors uploaded. Nothing of it was sent."""
+        """A payload larger than the socket carries, and no mailbox for it (no memory for one now, a
+        kernel without the seal, or the connection's refused; a busy server is answered as it is):
+        from now on this channel's calls attach no more than the socket carries, and this one is
+        answered as busy, so that it is staged again with its largest tensors uploaded. Nothing of it
+        was sent."""
         if self.mailbox_max_bytes > _SOCKET_PAYLOAD_BYTES:
             self.mailbox_max_bytes = _SOCKET_PAYLOAD_BYTES
             log.warning(
