@@ -34,6 +34,7 @@ from typing import Any
 
 import grpc
 
+from aclnn_common._proto import aclnn_pb2 as pb
 from aclnn_common._proto import aclnn_pb2_grpc as pb_grpc
 from aclnn_common.errors import AclnnError, Status
 
@@ -238,17 +239,21 @@ class Pool:
 
     def wait_connected(self, replica: int, timeout: float) -> bool:
         """Waits at most `timeout` s for the backend's connection (and the balanced channel's) to be up;
-        whether they are. After a restart gRPC reconnects when its backoff ends (RECONNECT_OPTIONS)."""
+        whether they are. After a restart gRPC reconnects when its backoff ends (RECONNECT_OPTIONS).
+
+        Asked with a call that waits for the connection (wait_for_ready; any answer means it is up),
+        not grpc.channel_ready_future, whose polling thread outlives the wait and raises "Channel
+        closed" when the client closes the channel within its next 0.2 s."""
         channels = [self.channel(replica), *([self._balanced_channel] if self._balanced_channel else [])]
         deadline = time.monotonic() + timeout
         for channel in channels:
-            ready = grpc.channel_ready_future(channel)
             try:
-                ready.result(timeout=max(0.0, deadline - time.monotonic()))
-            except grpc.FutureTimeoutError:
-                return False
-            finally:
-                ready.cancel()
+                pb_grpc.AclnnStub(channel).ListOperators(
+                    pb.Empty(), timeout=max(0.0, deadline - time.monotonic()), wait_for_ready=True
+                )
+            except grpc.RpcError as error:
+                if error.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    return False
         return True
 
     def count(self) -> int:
