@@ -244,13 +244,11 @@ class Pool:
         Asked with a call that waits for the connection (wait_for_ready; any answer means it is up),
         not grpc.channel_ready_future, whose polling thread outlives the wait and raises "Channel
         closed" when the client closes the channel within its next 0.2 s."""
-        channels = [self.channel(replica), *([self._balanced_channel] if self._balanced_channel else [])]
+        stubs = [self.stub(replica), *([self.balanced] if self.balanced is not None else [])]
         deadline = time.monotonic() + timeout
-        for channel in channels:
+        for stub in stubs:
             try:
-                pb_grpc.AclnnStub(channel).ListOperators(
-                    pb.Empty(), timeout=max(0.0, deadline - time.monotonic()), wait_for_ready=True
-                )
+                stub.ListOperators(pb.Empty(), timeout=max(0.0, deadline - time.monotonic()), wait_for_ready=True)
             except grpc.RpcError as error:
                 if error.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                     return False
