@@ -67,8 +67,8 @@ _MAILBOX_START_BYTES = 256 << 10
 _MAILBOX_STEP_BYTES = 16 << 20
 # The largest mailbox a server takes that does not say (DataChannelTicket.mailbox_max_bytes unset).
 UNSAID_MAILBOX_MAX_BYTES = 64 << 20
-# The largest payload sent through the Unix socket when no mailbox can be had: what a server takes
-# at its default message limit (--max-message-bytes).
+# The largest payload sent through the Unix socket when no mailbox can be had, to a server that does
+# not state its message limit (DataChannelTicket.max_message_bytes): its default (--max-message-bytes).
 _SOCKET_PAYLOAD_BYTES = 64 << 20
 
 # A mailbox's registration refused as busy is asked again this many times in all, after 5, 10, 20, 40 ms.
@@ -211,12 +211,15 @@ class DataChannel:
         tls: ssl.SSLContext | None = None,
         server_hostname: str | None = None,  # the name its certificate must show (default: the address's host)
         mailbox_max_bytes: int = MAILBOX_MAX_BYTES,  # the largest mailbox the server takes (its ticket says)
+        max_message_bytes: int = 0,  # the largest request it takes in its own memory (its ticket says; 0: unsaid)
         max_connections: int = 32,
         connect_timeout: float = 5.0,  # seconds to reach the server before the client settles for gRPC
     ) -> None:
         self.address, self.tls = address, tls
         self.unix = isinstance(address, str)
         self.mailbox_max_bytes = min(mailbox_max_bytes, MAILBOX_MAX_BYTES)
+        self.max_message_bytes = max_message_bytes
+        self._socket_payload_bytes = max_message_bytes or _SOCKET_PAYLOAD_BYTES  # what it receives in its memory
         self._server_hostname = server_hostname or (None if self.unix else address[0])
         self._ticket, self._open_ticket = ticket, open_ticket
         self._connect_timeout = connect_timeout
@@ -262,7 +265,7 @@ class DataChannel:
         size = len(head) + (attachments.size if attachments is not None else 0)
         with self._connection(timeout) as conn:
             mailbox = self._mailbox(conn, size, timeout) if self.unix and size > MAILBOX_FROM else None
-            if mailbox is None and self.unix and size > _SOCKET_PAYLOAD_BYTES:
+            if mailbox is None and self.unix and size > self._socket_payload_bytes:
                 raise self._no_mailbox(size)
             if mailbox is not None:
                 mailbox.map[: len(head)] = head
@@ -396,7 +399,7 @@ class DataChannel:
             # A server that takes no mailbox, or not one this large; busy (the identity's other
             # registrations are queued): this payload goes through the socket, the next one asks again.
             conn.mailbox_refused = error.grpc_code != grpc.StatusCode.RESOURCE_EXHAUSTED
-            if not conn.mailbox_refused and wanted > _SOCKET_PAYLOAD_BYTES:
+            if not conn.mailbox_refused and wanted > self._socket_payload_bytes:
                 raise  # busy, and more than the socket carries: the call is answered as busy (asked again)
             return None
         except BaseException:
@@ -413,14 +416,14 @@ class DataChannel:
         from now on this channel's calls attach no more than the socket carries, and this one is
         answered as busy, so that it is staged again with its largest tensors uploaded. Nothing of it
         was sent."""
-        if self.mailbox_max_bytes > _SOCKET_PAYLOAD_BYTES:
-            self.mailbox_max_bytes = _SOCKET_PAYLOAD_BYTES
+        if self.mailbox_max_bytes > self._socket_payload_bytes:
+            self.mailbox_max_bytes = self._socket_payload_bytes
             log.warning(
                 "data channel %s: no mailbox could be made for a %d-byte call: calls attach at most %d bytes "
                 "from now on, and upload their largest tensors beyond",
                 self,
                 size,
-                _SOCKET_PAYLOAD_BYTES,
+                self._socket_payload_bytes,
             )
         return _lost(f"no mailbox for a {size}-byte call", grpc.StatusCode.RESOURCE_EXHAUSTED)
 

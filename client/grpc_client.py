@@ -61,11 +61,15 @@ _SERVICE_CONFIG = '{"loadBalancingConfig": [{"round_robin": {}}]}'
 # tensors on (bench/transport.py --sweep). The data channel sends inline tensors raw, without that cost;
 # over its Unix socket a call's tensors travel in its connection's mailbox, where the server reads them
 # without a copy: tensors up to 64 MiB stay inline there (up to MAX_MAILBOX_ATTACHED_BYTES in all),
-# twice as fast as an upload through the socket at 32-64 MiB.
+# twice as fast as an upload through the socket at 32-64 MiB. Over TCP an upload costs two exchanges
+# more than the bytes, and its result a download and a free: tensors up to 16 MiB stay inline there
+# (8 MiB calls took 9-10 ms inline against 15-17 ms uploaded), in all at most what the server's
+# message limit leaves (its ticket says; from a server that does not say, 4 MiB each, as before).
 UNIX_INLINE_BYTES = 64 << 20
-TCP_INLINE_BYTES = 4 << 20
+TCP_INLINE_BYTES = 16 << 20
+UNSAID_TCP_INLINE_BYTES = 4 << 20
 GRPC_INLINE_BYTES = 512 << 10
-_MAILBOX_MESSAGE_ROOM = 1 << 20  # of a mailbox, kept for the call's message: the rest may be attached
+_MAILBOX_MESSAGE_ROOM = 1 << 20  # of a mailbox or message limit, kept for the call's message: the rest may be attached
 MAX_MAILBOX_ATTACHED_BYTES = MAILBOX_MAX_BYTES - _MAILBOX_MESSAGE_ROOM
 # Run requests kept per client, by layout (see _layout_key): a training loop repeats a few layouts.
 _LAYOUTS = 256
@@ -94,7 +98,8 @@ class Client(BaseClient):
     Tensors larger than `max_inline_bytes` are streamed in chunks and referenced by handle,
     so they may exceed gRPC's message limits (2 GiB included); by default 64 MiB over the data
     channel's Unix socket (in all at most MAX_MAILBOX_ATTACHED_BYTES: the largest go as uploads
-    beyond it) and 4 MiB over its TCP, where inline tensors travel raw beside the call (on the
+    beyond it) and 16 MiB over its TCP (in all at most the server's message limit less 1 MiB),
+    where inline tensors travel raw beside the call (on the
     Unix socket in a mailbox the server reads them from: its memory, the size of the largest
     call's tensors, up to 256 MiB, stays with the connection), and GRPC_INLINE_BYTES over gRPC,
     whose messages cost more per byte than streaming beyond that. With `data_channel=True` (the
@@ -378,17 +383,21 @@ class Client(BaseClient):
         """Runs a bound call; when its staging was kept for its layout (shared memory), returns the
         replica, the layout's key and the reply, for its repeats (_Repeat)."""
         sizes = _output_sizes(call.values, call.output_targets)
+        attempts = 0
         with Staging(self._transfers) as staging:
 
             def build(replica: int) -> pb.OpCall:
+                nonlocal attempts
                 staging.reset(failed=True)  # a previous attempt's, which failed (its regions may still be written)
+                staging.retried, attempts = attempts > 0, attempts + 1
                 views = {name: byte_view(tensor.data) for name, tensor in call.inputs().items()}
                 layout = self._layout_key(replica, call, views)
                 if layout is not None and self._shared_memory:
                     staged = self._staged_layout(replica, layout)
                     if staged is not None:
                         return staging.adopt(staged, views)
-                known = self._layouts.get(layout) if layout is not None and not self._shared_memory else None
+                keyed = layout is not None and not (self._shared_memory or staging.retried)
+                known = self._layouts.get(layout) if keyed else None
                 if known is not None:
                     if known[1]:
                         staging.attach(views)  # at the same offsets as when it was built: same sizes, same order
@@ -428,7 +437,12 @@ class Client(BaseClient):
         or 0.0 and -0.0, encode differently)."""
         if not self._transfers.attaches(replica):
             return None
-        limits = (self._transfers.max_inline_bytes(replica), self._transfers.max_attached_bytes(replica))
+        transfers = self._transfers
+        limits = (
+            transfers.max_inline_bytes(replica),
+            transfers.max_attached_bytes(replica),
+            transfers.max_attached_bytes(replica, results=True),
+        )
         key: list[object] = [replica, call.op, limits]
         for name, value in call.values.items():
             if isinstance(value, Tensor):
@@ -700,6 +714,7 @@ class Client(BaseClient):
                 tls=tls,
                 server_hostname=self._pool.target.host,
                 mailbox_max_bytes=offer.mailbox_max_bytes or UNSAID_MAILBOX_MAX_BYTES,
+                max_message_bytes=offer.max_message_bytes,
             )
             try:
                 channel.warm()  # one real connection (TLS and admission included) proves the way
@@ -809,19 +824,30 @@ class _Transfers:
     def attaches(self, replica: int) -> bool:
         return self._channel(replica) is not None
 
-    def max_inline_bytes(self, replica: int) -> int:
+    def max_inline_bytes(self, replica: int, retried: bool = False) -> int:
         if self.client.max_inline_bytes is not None:
             return self.client.max_inline_bytes
         channel = self._channel(replica)
         if channel is None:
             return GRPC_INLINE_BYTES
-        return UNIX_INLINE_BYTES if channel.unix else TCP_INLINE_BYTES
+        if channel.unix:
+            return UNIX_INLINE_BYTES
+        return TCP_INLINE_BYTES if channel.max_message_bytes and not retried else UNSAID_TCP_INLINE_BYTES
 
-    def max_attached_bytes(self, replica: int) -> int | None:
-        """Over the Unix socket a call's attached bytes travel in a mailbox, of at most what the server
-        takes (its ticket says: MAILBOX_MAX_BYTES, or 64 MiB from a server that does not say)."""
+    def max_attached_bytes(self, replica: int, results: bool = False) -> int | None:
+        """What a call may attach in all, less room for its message: its tensors over the Unix socket
+        what a mailbox the server takes holds (its ticket says: MAILBOX_MAX_BYTES, or 64 MiB from a
+        server that does not say); over TCP, and its results (replies cross the socket), what the
+        server's message limit holds (its ticket says; None from a server that does not)."""
         channel = self._channel(replica)
-        return channel.mailbox_max_bytes - _MAILBOX_MESSAGE_ROOM if channel is not None and channel.unix else None
+        if channel is None:
+            return None
+        most = channel.mailbox_max_bytes if channel.unix and not results else channel.max_message_bytes
+        return most - min(_MAILBOX_MESSAGE_ROOM, most // 2) if most else None
+
+    def reads_in_place(self, replica: int) -> bool:
+        channel = self._channel(replica)
+        return channel is not None and channel.unix
 
     def _channel(self, replica: int) -> DataChannel | None:
         try:

@@ -34,11 +34,18 @@ class Transfers(Protocol):
 
     shared_memory: bool
 
-    def max_inline_bytes(self, replica: int) -> int:
-        """Larger tensors are uploaded to the replica, larger results kept on it."""
+    def max_inline_bytes(self, replica: int, retried: bool = False) -> int:
+        """Larger tensors are uploaded to the replica, larger results kept on it. `retried`: for the
+        tensors of a call asked again after a refusal, when the replica holds inline bytes as they come
+        (over TCP), not in turn: a smaller limit, so that the memory of more of them is reserved in turn."""
 
-    def max_attached_bytes(self, replica: int) -> int | None:
-        """A call's inline tensors in all, at most (the largest are uploaded beyond it); None: no limit."""
+    def max_attached_bytes(self, replica: int, results: bool = False) -> int | None:
+        """A call's inline tensors in all, at most (the largest are uploaded beyond it), or (`results`)
+        its results sent back inline (the largest kept on the server beyond it); None: no limit."""
+
+    def reads_in_place(self, replica: int) -> bool:
+        """Whether the replica may compute on a call's attached tensors where the client wrote them (a
+        Unix socket's mailbox): then a reservation names them, to hold their memory with the call's."""
 
     def upload(self, replica: int, data: memoryview, reservation: str = "") -> str:
         """Stores the bytes on the replica (in the memory of a call's reservation); returns their handle."""
@@ -131,6 +138,7 @@ class Staging:
         self._reserved_on = 0
         # Inline tensors and results, raw beside the call's message (over a data channel); None: inside it.
         self.attachments: Attachments | None = None
+        self.retried = False  # an attempt after a refused one: see Transfers.max_inline_bytes
 
     @property
     def all_attached(self) -> bool:
@@ -185,7 +193,7 @@ class Staging:
         uploads = self._uploads(replica, {n: view.nbytes for n, view in data.items() if regions[n] is None})
         if uploads:
             reservation.uploads.extend(uploads)
-            if self.transfers.max_attached_bytes(replica) is not None:  # attached ones may be read in place
+            if self.transfers.reads_in_place(replica):
                 reservation.in_place.extend(n for n in data if regions[n] is None and n not in uploads)
             self.reservation, self._reserved_on = self.transfers.reserve(replica, reservation), replica
         staged: dict[str, bytes | pb.StorageRef] = {}
@@ -206,7 +214,7 @@ class Staging:
     def _uploads(self, replica: int, sizes: Mapping[str, int]) -> list[str]:
         """The tensors uploaded rather than sent inline: those above the inline limit, then the largest
         others while the inline ones are more than the call may attach."""
-        limit = self.transfers.max_inline_bytes(replica)
+        limit = self.transfers.max_inline_bytes(replica, self.retried)
         uploads = [name for name, size in sizes.items() if size > limit]
         most = self.transfers.max_attached_bytes(replica)
         if most is not None:
@@ -232,18 +240,21 @@ class Staging:
     def place(self, replica: int, sizes: Mapping[str, int], placements: Any) -> None:
         """Results land in a region with shared memory (large ones without: RESULT_REGION_BYTES); larger
         ones stay on the server (then stream back); over a data channel the others come back raw beside
-        the reply."""
-        for name, size in sizes.items():
+        the reply, up to what a call may attach in all (the largest stay on the server beyond it: the
+        server sends no reply over its message limit)."""
+        room = self.transfers.max_attached_bytes(replica, results=True)
+        for name, size in sorted(sizes.items(), key=lambda item: item[1]):
             results = not self.transfers.shared_memory and RESULT_REGION_BYTES <= size <= MAX_RESULT_REGION_BYTES
             region = self._region(replica, size, results)
             if region is not None:
                 self.output_regions[name] = region[0]
                 placements[name].region.CopyFrom(pb.RegionSlice(region=region[1], offset=0, size=size))
-            elif size > self.transfers.max_inline_bytes(replica):
+            elif size > self.transfers.max_inline_bytes(replica) or (room is not None and aligned(size) > room):
                 placements[name].keep_on_server = True
                 self.kept = True
             elif self._attaching(replica):
                 placements[name].attached = True
+                room = None if room is None else room - aligned(size)
 
     def results(self, replica: int, outputs: Mapping[str, pb.OutputTensor]) -> dict[str, Any]:
         results: dict[str, Any] = {}

@@ -146,9 +146,10 @@ def test_tensors_beyond_what_a_mailbox_takes_are_uploaded_largest_first(server_p
         assert staging._uploads(0, {"a": 160 * MIB, "b": 100 * MIB, "c": 4 * MIB}) == ["a"]
         assert staging._uploads(0, {"a": 120 * MIB, "b": 120 * MIB, "c": 4 * MIB}) == []
         assert staging._uploads(0, {"a": 201 * MIB, "b": 100 * MIB}) == ["a"]  # above max_inline_bytes
-    with Client(address, unix_socket=False) as c:  # over TCP nothing is attached in a mailbox
-        assert c._transfers.max_attached_bytes(0) is None
-        assert Staging(c._transfers)._uploads(0, {"a": 5 * MIB, "b": 4 * MIB}) == ["a"]
+    with Client(address, unix_socket=False) as c:  # over TCP: 16 MiB each, what the message limit holds in all
+        assert c._transfers.max_attached_bytes(0) == 63 * MIB
+        assert Staging(c._transfers)._uploads(0, {"a": 17 * MIB, "b": 16 * MIB}) == ["a"]
+        assert Staging(c._transfers)._uploads(0, {"a": 16 * MIB, "b": 16 * MIB, "c": 16 * MIB, "d": 16 * MIB}) == ["d"]
 
 
 @pytest.mark.parametrize("older", [False, True], ids=["this-server", "a-server-from-before"])

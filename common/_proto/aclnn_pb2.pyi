@@ -255,16 +255,18 @@ class RunResponse(_message.Message):
     def __init__(self, workspace_size: _Optional[int] = ..., outputs: _Optional[_Mapping[str, OutputTensor]] = ...) -> None: ...
 
 class DataChannelTicket(_message.Message):
-    __slots__ = ("port", "ticket", "unix_path", "mailbox_max_bytes")
+    __slots__ = ("port", "ticket", "unix_path", "mailbox_max_bytes", "max_message_bytes")
     PORT_FIELD_NUMBER: _ClassVar[int]
     TICKET_FIELD_NUMBER: _ClassVar[int]
     UNIX_PATH_FIELD_NUMBER: _ClassVar[int]
     MAILBOX_MAX_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     port: int
     ticket: bytes
     unix_path: str
     mailbox_max_bytes: int
-    def __init__(self, port: _Optional[int] = ..., ticket: _Optional[bytes] = ..., unix_path: _Optional[str] = ..., mailbox_max_bytes: _Optional[int] = ...) -> None: ...
+    max_message_bytes: int
+    def __init__(self, port: _Optional[int] = ..., ticket: _Optional[bytes] = ..., unix_path: _Optional[str] = ..., mailbox_max_bytes: _Optional[int] = ..., max_message_bytes: _Optional[int] = ...) -> None: ...
 
 class ExecutorRef(_message.Message):
     __slots__ = ("executor",)

@@ -169,7 +169,11 @@ class DataChannelServer:
         ticket = self._tickets.issue(call.owner, call.session)
         mailbox_max = MAILBOX_MAX_BYTES if self.unix_path else 0
         return pb.DataChannelTicket(
-            port=self.port, ticket=ticket, unix_path=self.unix_path or "", mailbox_max_bytes=mailbox_max
+            port=self.port,
+            ticket=ticket,
+            unix_path=self.unix_path or "",
+            mailbox_max_bytes=mailbox_max,
+            max_message_bytes=self.max_message_bytes,
         )
 
     @property
