@@ -252,9 +252,10 @@ class DataChannel:
         attachments: Attachments | None = None,
     ) -> object:
         """A unary call; the reply message, or the AclnnError the server answered with. With
-        `attachments`, their bytes go raw after the message, and the reply's raw part is kept there."""
+        `attachments`, their bytes go raw after the message, and the reply's raw part is kept there.
+        `request` is a message, or one serialized already (bytes)."""
         name = method.encode()
-        message = request.SerializeToString()
+        message = request if isinstance(request, bytes) else request.SerializeToString()
         if attachments is None:
             kind, head, parts = CALL, bytes([len(name)]) + name + message, []
         else:

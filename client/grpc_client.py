@@ -355,10 +355,12 @@ class Client(BaseClient):
                 return
 
     def run(self, op: str, /, *, stream: int | None = None, **params: Any) -> None:
-        """Both phases in one round trip; fills the outputs in place. With shared memory, a call of a
-        layout that ran before (the same arrays' shapes and dtypes, the same scalars) is sent as it was
-        then, from the regions its layout keeps (_Repeat)."""
-        layout = array_layout(op, params) if stream is None and self._shared_memory else None
+        """Both phases in one round trip; fills the outputs in place. A call of a layout that ran
+        before (the same arrays' shapes and dtypes, the same scalars) is sent as it was then: with
+        shared memory from the regions its layout keeps (_Repeat), else, when its tensors and results
+        all travelled raw beside it over the data channel, as the same message (_AttachedRepeat)."""
+        repeats = stream is None and (self._shared_memory or (self._use_data_channel and self._pool.count() == 1))
+        layout = array_layout(op, params) if repeats else None
         if layout is None:
             return super().run(op, stream=stream, **params)
         self._check_open()
@@ -373,23 +375,25 @@ class Client(BaseClient):
             with self._layouts_lock:
                 if len(self._repeats) >= _REPEATED_LAYOUTS:
                     del self._repeats[next(iter(self._repeats))]  # the oldest
-                self._repeats[key] = _Repeat.of(*ran)
+                self._repeats[key] = ran
         return None
 
     def _run(self, call: BoundCall, stream: int | None) -> None:
         self._regions_kept(lambda: self._run_once(call, stream))
 
-    def _run_once(self, call: BoundCall, stream: int | None) -> tuple[int, tuple, pb.RunResponse] | None:
-        """Runs a bound call; when its staging was kept for its layout (shared memory), returns the
-        replica, the layout's key and the reply, for its repeats (_Repeat)."""
+    def _run_once(self, call: BoundCall, stream: int | None) -> _Repeat | _AttachedRepeat | None:
+        """Runs a bound call; returns how to repeat it when its staging was kept for its layout (shared
+        memory), or it went all attached over the data channel as its layout's kept request."""
         sizes = _output_sizes(call.values, call.output_targets)
         attempts = 0
+        sent: tuple[pb.OpCall, tuple[str, ...]] | None = None  # the request, and its inputs in attached order
+
         with Staging(self._transfers) as staging:
 
             def build(replica: int) -> pb.OpCall:
-                nonlocal attempts
+                nonlocal attempts, sent
                 staging.reset(failed=True)  # a previous attempt's, which failed (its regions may still be written)
-                staging.retried, attempts = attempts > 0, attempts + 1
+                staging.retried, attempts, sent = attempts > 0, attempts + 1, None
                 views = {name: byte_view(tensor.data) for name, tensor in call.inputs().items()}
                 layout = self._layout_key(replica, call, views)
                 if layout is not None and self._shared_memory:
@@ -403,6 +407,7 @@ class Client(BaseClient):
                         staging.attach(views)  # at the same offsets as when it was built: same sizes, same order
                     request = pb.OpCall()
                     request.CopyFrom(known[0])  # gRPC, if it must carry it, folds the bytes into the copy
+                    sent = (request, tuple(views))
                     return request
                 request = encode_call(call.op, call.values, storage=False)
                 staging.place(replica, sizes, request.placements)
@@ -417,6 +422,7 @@ class Client(BaseClient):
                     staging.keep(layout, request, views, sizes)
                 elif layout is not None and (staging.all_attached or not (views or sizes)):  # or all on device
                     self._remember_layout(layout, request, attached=staging.attachments is not None)
+                    sent = (request, tuple(views))
                 return request
 
             replica = self._pinned(call.values)
@@ -428,7 +434,11 @@ class Client(BaseClient):
                     "Run", build, stream, stateless=lambda: staging.stateless, attachments=lambda: staging.attachments
                 )
             call.write_outputs(staging.results(replica, reply.outputs))
-            return None if staging.staged is None else (replica, staging.staged.key, reply)
+            if staging.staged is not None:
+                return _Repeat.of(replica, staging.staged.key, reply)
+            if sent is not None and staging.all_attached and staging.attachments.received is not None:
+                return _AttachedRepeat.of(self._data_channels.get(replica), replica, *sent, reply)
+            return None
 
     def _layout_key(self, replica: int, call: BoundCall, views: Mapping[str, memoryview]) -> tuple | None:
         """What a Run request's encoding depends on, when it may be one kept (tensors attached over the
@@ -898,6 +908,59 @@ class _Repeat:
         for name, nbytes in self.results:
             copy_bytes(arrays[name].reshape(-1).view(np.uint8), staged.outputs[name].array[:nbytes])
         client._keep_staged(staged)
+        return True
+
+
+@dataclass(frozen=True)
+class _AttachedRepeat:
+    """A Run's layout that went all attached over the data channel before (its inputs raw beside the
+    request, its results raw beside the reply: small calls, the default transport), sent again as it
+    was: the same message, already serialized, with the caller's arrays attached in the same order, and
+    its results copied out of the reply's raw part straight into the caller's arrays (no binding, no
+    staging, no decoding: the server serves it from its first too, transport/repeats.py). Only with
+    one backend (stateless calls spread over several), on the data channel it first went over (a new
+    one: the full way); a reply unlike the first, or an error the full path would retry, sends the
+    call the full way."""
+
+    channel: DataChannel
+    replica: int
+    message: bytes
+    inputs: tuple[str, ...]  # in the order they are attached
+    reply: pb.RunResponse
+    results: tuple[tuple[str, int, int], ...]  # each result's offset and size in the reply's raw part
+
+    @staticmethod
+    def of(
+        channel: DataChannel | None, replica: int, request: pb.OpCall, inputs: tuple[str, ...], reply: pb.RunResponse
+    ) -> _AttachedRepeat | None:
+        if channel is None or not all(out.HasField("attached") for out in reply.outputs.values()):
+            return None  # a result inside the message (one whose size was not known ahead): the full way
+        results = tuple((name, out.attached.offset, out.attached.size) for name, out in reply.outputs.items())
+        return _AttachedRepeat(channel, replica, request.SerializeToString(), inputs, reply, results)
+
+    def __call__(self, client: Client, arrays: Mapping[str, np.ndarray]) -> bool:
+        """Runs the call on these arrays (the layout's); False when it must go the full way instead."""
+        # Asked each time: it resolves the target again when due (backends added: calls spread, the full way).
+        if client._pool.next() != self.replica or client._data_channels.get(self.replica) is not self.channel:
+            return False
+        attachments = Attachments()
+        for name in self.inputs:
+            attachments.add(arrays[name].reshape(-1).view(np.uint8))
+        try:
+            reply = self.channel.call("Run", self.message, None, client._timeout, attachments)
+        except NoConnection:
+            return False  # nothing was sent: the full way finds another
+        except AclnnError as error:
+            if error.grpc_code in _RETRYABLE or error.grpc_code == _DEVICE_FAILED:
+                return False  # the full way tries again, or elsewhere, as it would have
+            raise
+        received = attachments.received
+        if reply != self.reply or received is None:
+            return False  # it ran, but answers unlike the first: run again the full way, which decodes it
+        if any(offset + size > received.nbytes for _, offset, size in self.results):
+            return False
+        for name, offset, size in self.results:
+            copy_bytes(arrays[name].reshape(-1).view(np.uint8), received[offset : offset + size])
         return True
 
 

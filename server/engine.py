@@ -108,8 +108,9 @@ class CallContext:
     queue_s: float = 0.0
     validation_s: float = 0.0
     compute_s: float = 0.0
-    stored: Any = None  # the caller's storage.Session, once looked up (its regions, its repeated runs)
+    stored: Any = None  # the caller's storage.Session, once looked up (its regions)
     message: memoryview | None = None  # a data-channel Run's request as received (transport/repeats.py)
+    repeats: dict[bytes, Any] | None = None  # its connection's runs served again from their first (repeats.py)
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,6 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 
@@ -40,7 +39,6 @@ class Session:
     expires: float
     handles: dict[str, memoryview] = field(default_factory=dict)
     regions: dict[str, MappedRegion] = field(default_factory=dict)
-    repeats: dict[bytes, Any] = field(default_factory=dict)  # Runs served again from their first (repeats.py)
 
 
 class Storage:
@@ -151,7 +149,6 @@ class Storage:
         session = self._sessions.pop(key)
         session.handles.clear()  # a call that looked its session up still sees them go
         session.regions.clear()
-        session.repeats.clear()
         self._per_identity[key[0]] -= 1
         if not self._per_identity[key[0]]:
             del self._per_identity[key[0]]

@@ -262,3 +262,54 @@ def test_attached_tensors_are_read_where_the_client_wrote_them_its_message_is_co
             p[name].shape
         )
     check(p)
+
+
+def test_a_repeated_attached_call_reads_this_requests_bytes_and_is_checked_like_the_first(serve, rng):
+    """A Run whose message is one that ran in full on the connection is served from that first run
+    (transport/repeats.py): on this request's attached bytes (new inputs, new results); a range
+    beyond this request's attached part, or the message without its attached part, goes the full way
+    and is refused as the first would have been."""
+    served = serve()
+    full_runs = []
+    original = served.engine.run
+    served.engine.run = lambda op, *a, **k: full_runs.append(op) or original(op, *a, **k)
+    p = layer_norm_call(rng, (4, 16))
+    call, raw = attached_inputs(p)
+    for name in OUTPUTS:
+        call.placements[name].attached = True
+    message = call.SerializeToString()
+
+    def results_of(answer: bytes) -> dict[str, np.ndarray]:
+        head, part = attached_reply(answer)
+        outputs = pb.RunResponse.FromString(head).outputs
+        return {
+            name: np.frombuffer(part[out.attached.offset : out.attached.offset + out.attached.size], np.float32)
+            for name, out in outputs.items()
+        }
+
+    with connect(ticket(served.address)) as sock:
+        assert reply(sock)[0]
+        for _ in range(3):  # the same message, new bytes each time
+            fresh = layer_norm_call(rng, (4, 16))
+            for name in ("gradOut", "input", "mean", "rstd", "weightOptional"):
+                p[name][...] = fresh[name]
+            _, raw = attached_inputs(p)
+            ok, answer = exchange(sock, "Run", message, raw)
+            assert ok, error_of(answer).message
+            for name, result in results_of(answer).items():
+                p[name][...] = result.reshape(p[name].shape)
+            check(p)
+        assert full_runs == [OP]
+        ok, answer = exchange(sock, "Run", message, raw[:64])  # input's range lies beyond these bytes
+        assert not ok and (error_of(answer).code, error_of(answer).param) == (161002, "ref")
+        sock.sendall(request(CALL, 4 + len(message)) + b"\x03Run" + message)  # no attached part at all
+        ok, answer = reply(sock)
+        assert not ok and (error_of(answer).code, error_of(answer).param) == (161002, "ref")
+        assert full_runs == [OP]  # both went the full way, refused while decoding, before running
+        assert exchange(sock, "Run", message, raw)[0]  # the layout still repeats
+    assert full_runs == [OP]
+    # Another connection of the same client learns it anew: the repeats are the connection's.
+    with connect(ticket(served.address)) as sock:
+        assert reply(sock)[0]
+        assert exchange(sock, "Run", message, raw)[0]
+    assert full_runs == [OP, OP]

@@ -246,6 +246,10 @@ def test_data_channel_has_the_grpc_ports_tls(serve, certs, rng, mutual):
         assert served.server.data_channel.open_connections == 1
         assert not c._data_channel(0).unix
     check(p)
+    big = layer_norm_call(rng, (2048, 1024))  # 8 MiB tensors and result: inline over TLS by default
+    with Client(served.address, root_certificates=certs.ca.cert, unix_socket=False, **identity) as c:
+        c.run(OP, **big)
+    check(big)
     # Plaintext on the TLS port is never admitted: at most a TLS alert record, then the close.
     with socket.create_connection(("127.0.0.1", served.server.data_channel.port), timeout=10) as sock:
         sock.sendall(MAGIC + b"\0" * 16)

@@ -45,13 +45,16 @@ class Replicas:
         server, port, engine = create_server(ServerOptions(host=ip, port=self.port, backend="numpy", **self.options))
         self.port = port
         self.runs[ip] = 0
-        run = engine.run
 
-        def counted(*args, **kwargs):
-            self.runs[ip] += 1
-            return run(*args, **kwargs)
+        def counted(run):
+            def counting(*args, **kwargs):
+                self.runs[ip] += 1
+                return run(*args, **kwargs)
 
-        engine.run = counted
+            return counting
+
+        # Runs in full, and those served from the first like them on their connection (transport/repeats.py).
+        engine.run, engine.run_prepared = counted(engine.run), counted(engine.run_prepared)
         server.start()
         self.servers[ip] = server
 

@@ -260,20 +260,24 @@ class AclnnService:
         reply: pb.RunResponse,
     ) -> None:
         """Keeps a Run that ran in full for its repeats, when it can repeat (repeats.py)."""
-        if call.message is None or not in_regions:  # not a data-channel Run with its results in regions
+        if call.message is None:  # not a data-channel Run
             return
         prepared = self.engine.prepared_for(request.op, values, call)
         run = prepared and repeats.repeated_run(prepared, request, call, outputs, in_regions, reply)
-        if run:
-            repeats.keep(self._session_of(call).repeats, bytes(call.message), run)
+        if run and call.repeats is not None:
+            repeats.keep(call.repeats, bytes(call.message), run)
 
     def _repeat(self, request: pb.OpCall, call: CallContext) -> pb.RunResponse | None:
-        """A Run served from the first like it in its session (repeats.py); None: run it in full."""
-        if call.message is None or not call.session:
+        """A Run served from the first like it on its connection (repeats.py); None: run it in full."""
+        if call.message is None or call.repeats is None:
             return None
-        session, key = self._session_of(call), bytes(call.message)
-        run = session.repeats.get(key)
+        key = bytes(call.message)
+        run = call.repeats.get(key)
         if run is None:
+            return None
+        session = self._session_of(call)
+        attached = run.attached_storage(call.attachment)
+        if attached is None:  # a range outside this request's attached part: the call in full says so
             return None
         try:
             storage = {name: region_slice(session.regions, *where) for name, where in run.inputs}
@@ -282,13 +286,17 @@ class AclnnService:
                 for name, where, shape, dtype in run.results
             }
         except AclnnError:  # a region unregistered since: the call in full says so
-            repeats.forget(session.repeats, key)
+            del call.repeats[key]
             return None
         call.placed, call.kept = run.placed, run.kept
-        outputs = self.engine.run_prepared(run.prepared, storage, destinations, call, checked=True)
+        outputs = self.engine.run_prepared(run.prepared, {**storage, **attached}, destinations, call, checked=True)
         if outputs is None:  # the backend changed, or the call waits its turn on its stream: in full
             return None
-        if repeats.computed_in(outputs, destinations):
+        if all(outputs[name] is array for name, array in destinations.items()):
+            for name, offset in run.attached_results:  # sent raw after the reply, where it says
+                flat = outputs[name].reshape(-1).view(np.uint8)
+                call.attached_results.append((offset, memoryview(flat)))
+                call.bytes_out += flat.nbytes
             return run.reply
         placed_outputs = self._place(outputs, request.placements, call, destinations)
         return pb.RunResponse(workspace_size=run.prepared.workspace_size, outputs=placed_outputs)

@@ -71,6 +71,9 @@ class Connection:
         self.discard = 0  # bytes of a refused payload still to drain
         self.mailbox: Mailbox | None = None  # where large CALL payloads come in (Unix socket)
         self.attachment: memoryview | None = None  # a call's attached part left in the mailbox (not copied)
+        # Runs served again from the first like them (transport/repeats.py): a connection's calls are its
+        # client's, in its session, one at a time, so the store needs no session of its own on the server.
+        self.repeats: dict[bytes, Any] = {}
         self.lowat = 1  # the socket's SO_RCVLOWAT: raised while a large payload arrives over TCP
 
     def next_request(self) -> None:
@@ -98,6 +101,7 @@ class Connection:
         loop's lock: the last view of a mapped mailbox punches it out of the memfd (~30 ms per 64 MiB
         here), which would stall every connection's worker."""
         self.drop_request()
+        self.repeats.clear()
         if self.mailbox is not None:
             self.mailbox.close()
             self.mailbox = None

@@ -251,8 +251,8 @@ class Requests:
                     call.attachment = conn.attachment
                     call.attached_in_place = conn.mailbox.sealed  # not held with the mailbox: with the call
             request = METHODS[method][0].FromString(message)
-            if method == "Run" and not kind & ATTACHED and len(message) <= repeats.MAX_MESSAGE_BYTES:
-                call.message = message  # its tensors and results lie elsewhere: it may repeat (repeats.py)
+            if method == "Run" and len(message) <= repeats.MAX_MESSAGE_BYTES:
+                call.message = message  # its tensors and results lie beside it: it may repeat (repeats.py)
         except DecodeError:
             return self.fail(conn, status(code_pb2.INVALID_ARGUMENT, f"{method} request does not parse"))
         try:
@@ -350,6 +350,7 @@ class Requests:
             cancelled=lambda: peer_closed(conn.sock),
             holds=[],
             request=conn.hold,  # a small request needs none
+            repeats=conn.repeats,
         )
 
     def fail(self, conn: Connection, failed: status_pb2.Status) -> None:
