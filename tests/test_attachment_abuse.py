@@ -522,6 +522,40 @@ def test_attached_inputs_rewritten_and_punched_while_computed_affect_only_their_
     wait_for(lambda: served.engine.ledger.held == 0)
 
 
+def test_a_repeated_call_read_in_place_holds_its_inputs_as_the_first_did(serve, rng):
+    """A Run served from the first like it on its connection (transport/repeats.py) whose attached
+    inputs are read where the client wrote them (a mailbox above HELD_MAILBOX_BYTES, which the server
+    does not hold) holds their bytes with its memory while it runs, as a call in full does: a repeat
+    is no way around the ledger. All of it is given back after."""
+    served = serve()
+    in_place = []
+    original = served.engine.run_prepared
+
+    def counting(prepared, storage, destinations, call, checked=False):
+        in_place.append(call.in_place_bytes)
+        return original(prepared, storage, destinations, call, checked)
+
+    served.engine.run_prepared = counting
+    fd, mailbox = writable_mailbox(HOLELESS)
+    with unix_connect(ticket(served.address, "s")) as sock:
+        assert pass_mailbox(sock, fd, HOLELESS) == (True, b"")
+        for _ in range(3):
+            p = layer_norm_call(rng, (64, 1024))
+            call, raw = all_attached(p)
+            payload = attached_call("Run", call.SerializeToString(), raw)
+            mailbox[: len(payload)] = np.frombuffer(payload, np.uint8)
+            sock.sendall(request(CALL | ATTACHED | IN_MAILBOX, len(payload)))
+            ok, answer = reply(sock)
+            assert ok, error_of(answer).message
+            results_of(answer, p)
+            check(p)
+    os.close(fd)
+    tensors = [value.tensor for value in call.params.values() if value.WhichOneof("kind") == "tensor"]
+    attached = sum(t.ref.attached.size for t in tensors if t.ref.WhichOneof("kind") == "attached")
+    assert attached > 256 * 1024 and in_place == [attached, attached]  # the two repeats; the first ran in full
+    wait_for(lambda: served.engine.ledger.held == 0)
+
+
 # Stalling ---------------------------------------------------------------------------------------
 
 

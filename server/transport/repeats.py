@@ -16,8 +16,7 @@ decoding, validation and placement, ~0.15 ms of Python, are skipped. Region ids 
 memfd is mapped at most once at a time, so the same ids and offsets are the same memory: what the first
 run checked of them (in bounds, aligned, results apart from each other and from the inputs) still
 holds. Attached results are computed into fresh arrays, as in full, and sent at the offsets the reply
-names. Attached bytes read in place (a mailbox above 16 MiB) are held with their call: such calls run
-in full.
+names. Attached inputs read in place (a mailbox above 16 MiB) are held with their call, as in full.
 """
 
 from __future__ import annotations
@@ -78,10 +77,10 @@ def repeated_run(
     reply: pb.RunResponse,
 ) -> RepeatedRun | None:
     """The run's repeat, or None when it cannot repeat this way: an input neither in a region nor
-    attached, a result neither computed in place in a region nor attached (inline, or kept), attached
-    bytes read in place, or memory reserved for it."""
+    attached, a result neither computed in place in a region nor attached (inline, or kept), or memory
+    reserved for it."""
     in_place = all(name in outputs and outputs[name] is array for name, array in in_regions.items())
-    if request.reservation or call.attached_in_place or not in_place:
+    if request.reservation or not in_place:
         return None
     regions, attached = [], []
     for name in prepared.plan.inputs:

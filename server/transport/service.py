@@ -279,6 +279,8 @@ class AclnnService:
         attached = run.attached_storage(call.attachment)
         if attached is None:  # a range outside this request's attached part: the call in full says so
             return None
+        if call.attached_in_place:  # read where the client wrote them: held with the call, as in full (_stored)
+            call.in_place_bytes += sum(view.nbytes for view in attached.values())
         try:
             storage = {name: region_slice(session.regions, *where) for name, where in run.inputs}
             destinations = {
