@@ -72,6 +72,16 @@ def results_of(answer: bytes, p: dict) -> None:
         p[name][...] = np.frombuffer(data, np.float32).reshape(p[name].shape)
 
 
+def run_in_mailbox(sock: socket.socket, mailbox: np.memmap, payload: bytes, p: dict) -> None:
+    """Sends `p`'s all-attached Run `payload` in the connection's mailbox; its outputs, checked, from the reply."""
+    mailbox[: len(payload)] = np.frombuffer(payload, np.uint8)
+    sock.sendall(request(CALL | ATTACHED | IN_MAILBOX, len(payload)))
+    ok, answer = reply(sock)
+    assert ok, error_of(answer).message
+    results_of(answer, p)
+    check(p)
+
+
 def all_attached(p: dict) -> tuple[pb.OpCall, bytes]:
     call, raw = attached_inputs(p)
     for name in OUTPUTS:
@@ -162,12 +172,7 @@ def test_a_request_over_holes_in_a_sealed_mailbox_is_refused_and_fills_nothing(s
             assert not ok and "holes" in error_of(answer).message, answer
             assert os.fstat(fd).st_blocks * 512 == -(-written // 4096) * 4096  # the client's pages, no more
             assert ledger.held == 0
-        mailbox[: len(payload)] = np.frombuffer(payload, np.uint8)
-        sock.sendall(request(CALL | ATTACHED | IN_MAILBOX, len(payload)))
-        ok, answer = reply(sock)
-        assert ok, error_of(answer).message
-        results_of(answer, p)
-        check(p)
+        run_in_mailbox(sock, mailbox, payload, p)
         assert os.fstat(fd).st_blocks * 512 == -(-len(payload) // 4096) * 4096
         assert _libc.fallocate(fd, _PUNCH_HOLE, 0, len(payload)) == -1 and ctypes.get_errno() == errno.EPERM
         assert answers_keepalive(sock)
@@ -542,13 +547,7 @@ def test_a_repeated_call_read_in_place_holds_its_inputs_as_the_first_did(serve, 
         for _ in range(3):
             p = layer_norm_call(rng, (64, 1024))
             call, raw = all_attached(p)
-            payload = attached_call("Run", call.SerializeToString(), raw)
-            mailbox[: len(payload)] = np.frombuffer(payload, np.uint8)
-            sock.sendall(request(CALL | ATTACHED | IN_MAILBOX, len(payload)))
-            ok, answer = reply(sock)
-            assert ok, error_of(answer).message
-            results_of(answer, p)
-            check(p)
+            run_in_mailbox(sock, mailbox, attached_call("Run", call.SerializeToString(), raw), p)
     os.close(fd)
     tensors = [value.tensor for value in call.params.values() if value.WhichOneof("kind") == "tensor"]
     attached = sum(t.ref.attached.size for t in tensors if t.ref.WhichOneof("kind") == "attached")
