@@ -255,7 +255,9 @@ class DataChannel:
         `attachments`, their bytes go raw after the message, and the reply's raw part is kept there.
         `request` is a message, or one serialized already (bytes)."""
         name = method.encode()
-        message = request if isinstance(request, bytes) else request.SerializeToString()
+        # Deterministic: equal requests (a kept layout's copy, say) are equal bytes, which is what the
+        # server's decode cache and repeats go by (map entries are otherwise in no fixed order).
+        message = request if isinstance(request, bytes) else request.SerializeToString(deterministic=True)
         if attachments is None:
             kind, head, parts = CALL, bytes([len(name)]) + name + message, []
         else:

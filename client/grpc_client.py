@@ -936,7 +936,7 @@ class _AttachedRepeat:
         if channel is None or not all(out.HasField("attached") for out in reply.outputs.values()):
             return None  # a result inside the message (one whose size was not known ahead): the full way
         results = tuple((name, out.attached.offset, out.attached.size) for name, out in reply.outputs.items())
-        return _AttachedRepeat(channel, replica, request.SerializeToString(), inputs, reply, results)
+        return _AttachedRepeat(channel, replica, request.SerializeToString(deterministic=True), inputs, reply, results)
 
     def __call__(self, client: Client, arrays: Mapping[str, np.ndarray]) -> bool:
         """Runs the call on these arrays (the layout's); False when it must go the full way instead."""

@@ -37,23 +37,28 @@ def check(p: dict) -> None:
 @pytest.mark.parametrize("shared_memory", [True, False], ids=["shared-memory", "attached"])
 @pytest.mark.parametrize("as_torch", [False, True], ids=["numpy", "torch"])
 def test_a_layout_called_again_is_bound_once(serve, rng, binds, as_torch, shared_memory):
+    """The client binds a layout once; the server runs it in full once per data-channel connection
+    (each keeps its own repeats: transport/repeats.py), then serves it from that run."""
     served = serve()
     full_runs = []
     original = served.engine.run
     served.engine.run = lambda op, *a, **k: full_runs.append(op) or original(op, *a, **k)
     with Client(served.address, shared_memory=shared_memory) as c:
-        for _ in range(4):
-            p = layer_norm_call(rng, (32, 512))
-            if as_torch:  # the tensors' own memory: the results land in them
-                p = {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in p.items()}
-            c.run(OP, **p)
-            check(p)
-        assert binds == [OP] and full_runs == [OP]
-        p = layer_norm_call(rng, (16, 512))  # another layout: bound once too
-        c.run(OP, **p)
-        c.run(OP, **p)
-        check(p)
-        assert binds == [OP, OP] and full_runs == [OP, OP]
+
+        def layout_runs(rows: int, calls: int) -> None:
+            full_runs.clear()
+            for _ in range(calls):
+                p = layer_norm_call(rng, (rows, 512))
+                if as_torch:  # the tensors' own memory: the results land in them
+                    p = {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in p.items()}
+                c.run(OP, **p)
+                check(p)
+            assert 1 <= len(full_runs) <= served.server.data_channel.open_connections < calls
+
+        layout_runs(32, 6)
+        assert binds == [OP]
+        layout_runs(16, 6)  # another layout: bound once too
+        assert binds == [OP, OP]
 
 
 @pytest.mark.parametrize("shared_memory", [True, False], ids=["shared-memory", "attached"])
