@@ -63,7 +63,7 @@ _SERVICE_CONFIG = '{"loadBalancingConfig": [{"round_robin": {}}]}'
 # without a copy: tensors up to 64 MiB stay inline there (up to MAX_MAILBOX_ATTACHED_BYTES in all),
 # twice as fast as an upload through the socket at 32-64 MiB. Over TCP an upload costs two exchanges
 # more than the bytes, and its result a download and a free: tensors up to 16 MiB stay inline there
-# (8 MiB calls took 9-10 ms inline against 15-17 ms uploaded), in all at most what the server's
+# (8 MiB calls took 9-12 ms inline against 15-17 ms uploaded), in all at most what the server's
 # message limit leaves (its ticket says; from a server that does not say, 4 MiB each, as before).
 UNIX_INLINE_BYTES = 64 << 20
 TCP_INLINE_BYTES = 16 << 20
