@@ -896,7 +896,7 @@ class _Repeat:
             reply = client._call_on(self.replica, "Run", staged.request)
         except AclnnError as error:
             client._retire(staged.regions)  # as a failed call's: the server may still write into them
-            if _regions_lost(error) or error.grpc_code in _RETRYABLE or error.grpc_code == _DEVICE_FAILED:
+            if _regions_lost(error) or _retried(error):
                 return False  # the full way tries again, or elsewhere, as it would have
             raise
         except BaseException:
@@ -951,7 +951,7 @@ class _AttachedRepeat:
         except NoConnection:
             return False  # nothing was sent: the full way finds another
         except AclnnError as error:
-            if error.grpc_code in _RETRYABLE or error.grpc_code == _DEVICE_FAILED:
+            if _retried(error):
                 return False  # the full way tries again, or elsewhere, as it would have
             raise
         received = attachments.received
@@ -965,6 +965,11 @@ class _AttachedRepeat:
 
 
 _DOUBLE = struct.Struct("<d")
+
+
+def _retried(error: AclnnError) -> bool:
+    """Whether the full way tries a call again after this error: later (busy, gone) or elsewhere (a device failed)."""
+    return error.grpc_code in _RETRYABLE or error.grpc_code == _DEVICE_FAILED
 
 
 def _regions_lost(error: AclnnError) -> bool:

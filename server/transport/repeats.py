@@ -79,8 +79,7 @@ def repeated_run(
     """The run's repeat, or None when it cannot repeat this way: an input neither in a region nor
     attached, a result neither computed in place in a region nor attached (inline, or kept), or memory
     reserved for it."""
-    in_place = all(name in outputs and outputs[name] is array for name, array in in_regions.items())
-    if request.reservation or not in_place:
+    if request.reservation or not computed_in(outputs, in_regions):
         return None
     regions, attached = [], []
     for name in prepared.plan.inputs:
@@ -104,6 +103,11 @@ def repeated_run(
             return None
     places = (tuple(regions), tuple(results), tuple(attached), tuple(attached_results))
     return RepeatedRun(prepared, call.placed, call.kept, *places, reply)
+
+
+def computed_in(outputs: Mapping[str, np.ndarray], arrays: Mapping[str, Any]) -> bool:
+    """Whether the engine computed into every array given for an output (the others it made itself)."""
+    return all(name in outputs and outputs[name] is array for name, array in arrays.items())
 
 
 def _place(region: pb.RegionSlice) -> RegionPlace:

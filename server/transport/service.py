@@ -82,6 +82,12 @@ def placed(placements: Mapping[str, pb.OutputPlacement], call: CallContext) -> N
 _BESIDE = frozenset({"region", "attached"})
 
 
+def attach_result(call: CallContext, offset: int, data: np.ndarray) -> None:
+    """A result's bytes (flat), for the transport to send raw after the reply at `offset` of its attached part."""
+    call.attached_results.append((offset, memoryview(data)))
+    call.bytes_out += data.nbytes
+
+
 def loggable(text: str) -> str:
     """A client-supplied value for a log line: as is when plain, else a JSON string (escaped, at most 128 chars)."""
     if _PLAIN.fullmatch(text):
@@ -279,8 +285,6 @@ class AclnnService:
         attached = run.attached_storage(call.attachment)
         if attached is None:  # a range outside this request's attached part: the call in full says so
             return None
-        if call.attached_in_place:  # read where the client wrote them: held with the call, as in full (_stored)
-            call.in_place_bytes += sum(view.nbytes for view in attached.values())
         try:
             storage = {name: region_slice(session.regions, *where) for name, where in run.inputs}
             destinations = {
@@ -291,14 +295,16 @@ class AclnnService:
             del call.repeats[key]
             return None
         call.placed, call.kept = run.placed, run.kept
+        # Inputs read where the client wrote them are held with the call, as in full (_stored counts them).
+        in_place = sum(view.nbytes for view in attached.values()) if call.attached_in_place else 0
+        call.in_place_bytes += in_place
         outputs = self.engine.run_prepared(run.prepared, {**storage, **attached}, destinations, call, checked=True)
-        if outputs is None:  # the backend changed, or the call waits its turn on its stream: in full
+        if outputs is None:  # the backend changed, or the call waits its turn on its stream: in full, which counts them
+            call.in_place_bytes -= in_place
             return None
-        if all(outputs[name] is array for name, array in destinations.items()):
+        if repeats.computed_in(outputs, destinations):
             for name, offset in run.attached_results:  # sent raw after the reply, where it says
-                flat = outputs[name].reshape(-1).view(np.uint8)
-                call.attached_results.append((offset, memoryview(flat)))
-                call.bytes_out += flat.nbytes
+                attach_result(call, offset, outputs[name].reshape(-1).view(np.uint8))
             return run.reply
         placed_outputs = self._place(outputs, request.placements, call, destinations)
         return pb.RunResponse(workspace_size=run.prepared.workspace_size, outputs=placed_outputs)
@@ -489,8 +495,7 @@ class AclnnService:
             if name in attached:  # sent raw after the reply by the transport
                 offset = aligned(attached_end)
                 attached_end = offset + flat.nbytes
-                call.attached_results.append((offset, memoryview(flat)))
-                call.bytes_out += flat.nbytes
+                attach_result(call, offset, flat)
                 where = pb.ByteRange(offset=offset, size=flat.nbytes)
                 encoded[name] = output_tensor(array, inline=False, attached=where)
             elif name in targets:
