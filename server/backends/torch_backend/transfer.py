@@ -188,7 +188,10 @@ def download(torch: Any, results: list[tuple[np.ndarray, Any]]) -> None:
     """Writes each tensor (already of its array's dtype and shape) into its host array."""
     parts, scattered = [], []
     for out, value in results:
-        src = value.contiguous().reshape(-1).view(torch.uint8)
+        src = value.contiguous().reshape(-1)
+        if src.numel() == 1 and src.stride(0) != 1:  # one element keeps whatever stride it had (0 if expanded)
+            src = src.as_strided((1,), (1,))
+        src = src.view(torch.uint8)
         if out.flags.c_contiguous:
             parts.append((out.reshape(-1).view(np.uint8), src))
         else:
