@@ -22,6 +22,8 @@ from .errors import AclnnError, Status, invalid_error
 from .tensor import BoolArray, IntArray, Tensor, Value, tensor_from_array
 from .types import numpy_dtype, torch_array
 
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # what CANN's integer parameters hold
+
 
 def to_value(name: str, arg: Any, storage: bool = True) -> Value:
     """The parameter value for one Python argument (None is a null pointer); with `storage` False an
@@ -38,15 +40,23 @@ def to_value(name: str, arg: Any, storage: bool = True) -> Value:
     if isinstance(arg, (bool, np.bool_)):
         return bool(arg)
     if isinstance(arg, (int, np.integer)):
-        return int(arg)
+        return _int64(name, int(arg))
     if isinstance(arg, (float, np.floating)):
         return float(arg)
     if isinstance(arg, (list, tuple)):
         if arg and all(isinstance(v, (bool, np.bool_)) for v in arg):
             return BoolArray(bool(v) for v in arg)
         if all(isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_)) for v in arg):
-            return IntArray(int(v) for v in arg)
+            return IntArray(_int64(name, int(v)) for v in arg)
     raise invalid_error(name, f"cannot be sent as an aclnn parameter: {type(arg).__name__} {arg!r:.80}")
+
+
+def _int64(name: str, value: int) -> int:
+    """An integer as CANN takes it (int64_t, aclIntArray's elements); a larger one is refused here,
+    in process and remote alike, rather than by the wire's encoder."""
+    if not INT64_MIN <= value <= INT64_MAX:
+        raise invalid_error(name, f"integer {value} is outside the int64 range")
+    return value
 
 
 @dataclass

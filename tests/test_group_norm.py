@@ -107,6 +107,16 @@ def test_strided_views_in_and_out(client, rng):
     check_backward(dict(q, gradOut=np.ascontiguousarray(q["gradOut"])))
 
 
+@pytest.mark.parametrize("name", ["HxW", "group", "eps"])
+def test_an_integer_beyond_int64_is_refused_by_name(client, rng, name):
+    """CANN's integer parameters are int64 (and a Python int for `eps` is one too): beyond that range a
+    call is refused naming the parameter, in process and through the server alike (the wire's encoder
+    raised a bare ValueError; found by a mutation fuzz)."""
+    p = group_norm_call(rng, (2, 6, 4), 3)
+    p[name] = 2**70
+    expect_error(client, FWD, p, ("out", "meanOut", "rstdOut"), 161002, name)
+
+
 def test_self_reaches_the_server_as_a_parameter_name(client, rng):
     """The client takes the operator positionally, so CANN's `self` is an ordinary keyword."""
     p = group_norm_call(rng, (2, 4, 3), 2)

@@ -153,6 +153,8 @@ def test_unknown_operator(client):
         ("outputMask", [1, 1, 1]),
         ("outputMask", 1.5),
         ("normalizedShape", np.array([8])),  # a tensor is not an aclIntArray
+        ("normalizedShape", [2**64]),  # aclIntArray holds int64: the wire's encoder must not be the one to refuse
+        ("normalizedShape", [8, -(2**63) - 1]),
     ],
 )
 def test_wrong_kind_of_value(client, rng, name, value):
