@@ -10,7 +10,9 @@ No backend prints a RuntimeWarning.
 
 from __future__ import annotations
 
+import math
 import warnings
+from fractions import Fraction
 
 import numpy as np
 import pytest
@@ -24,6 +26,7 @@ from oracle import BF16, assert_close, sentinel_like, t64
 from rms_norm_cases import rms_norm_call, rms_norm_grad_call, rms_norm_grad_reference
 from sync_batch_norm_cases import elemt_call, reduce_call, reduce_reference, stats_call
 from test_backend_agreement import backend_clients
+from test_layer_norm_grad import lng_call
 
 F32, F16 = np.dtype(np.float32), np.dtype(np.float16)
 
@@ -151,6 +154,47 @@ def test_huge_gradients_round_to_inf_not_nan(clients, rng):
         with np.errstate(over="ignore"):
             expected = r.astype(np.float32).astype(np.float64)
         assert np.array_equal(np.isinf(got), np.isinf(expected)) and not np.isnan(got).any(), name
+
+
+def exact_row_gradient(g: np.ndarray, x: np.ndarray, mean: np.ndarray, rstd: np.ndarray) -> np.ndarray:
+    """rstd·(g − mean(g) − x̂·mean(g·x̂)), x̂ = (x − mean)·rstd, along the rows in exact rationals
+    (of the inputs' fp64 values), rounded to fp64 once (±Inf past its range)."""
+    out = np.empty(g.shape)
+    for i in range(g.shape[0]):
+        r, mu = Fraction(float(rstd[i, 0])), Fraction(float(mean[i, 0]))
+        gs, xhat = [Fraction(float(v)) for v in g[i]], [(Fraction(float(v)) - mu) * r for v in x[i]]
+        n = len(gs)
+        dot, mean_g = sum(a * b for a, b in zip(gs, xhat)) / n, sum(gs) / n
+        for j in range(n):
+            value = r * (gs[j] - mean_g - xhat[j] * dot)
+            out[i, j] = float(value) if abs(value) < 2**1000 else math.copysign(math.inf, value)
+    return out
+
+
+@pytest.mark.parametrize("op", ["aclnnLayerNormBackward", "LayerNormGrad"])
+def test_statistics_far_beyond_the_data_keep_the_gradient(clients, rng, op):
+    """A mean ~2^75 beyond the inputs (statistics that are not the input's own, from the long fuzz):
+    x̂ overflows fp32, and in the fp64 repeat x − mean loses x, so every x̂ of a row was the same and
+    the x̂ term of gradInput cancelled; the exact gradient keeps it (here ±Inf), as every backend now
+    does (a mean far enough to lose x in fp32 without overflowing is a documented limit)."""
+    g = np.array([[-0.2578125, 0.2578125], [0.5, -0.5]], np.float32)  # each row sums to 0
+    x = np.array([[-0.451171875, -1.390625], [0.25, 1.75]], np.float32)
+    mean = np.array([[-3.681786e22], [2.5e22]], np.float32)
+    if op == "aclnnLayerNormBackward":
+        rstd = np.array([[8.5112205e22], [4.0e22]], np.float32)
+        p = layer_norm_call(rng, (2, 2), 1, F32, mask=(True, False, False))
+        p.update(gradOut=g, input=x, mean=mean, rstd=rstd, weightOptional=None)
+        out = "gradInputOut"
+    else:  # rstd = (variance + 1e-12)^-1/2 is at most 10^6: a mean far enough for x̂ to overflow fp32
+        mean = mean * np.float32(1e13)
+        p = lng_call(rng, (2, 2), (2, 1), (2,), F32, mask=(True, False, False))
+        p.update(dy=g, x=x, mean=mean, variance=np.zeros((2, 1), np.float32), gamma=np.ones(2, np.float32))
+        rstd, out = (np.zeros((2, 1)) + 1e-12) ** -0.5, "pd_x"
+    with np.errstate(over="ignore"):
+        expected = exact_row_gradient(g, x, mean, rstd).astype(np.float32).astype(np.float64)
+    assert np.isinf(expected).all()  # the case is what it says: the x̂ term dominates and overflows
+    got = same_everywhere(run_everywhere(clients, op, p), out)
+    np.testing.assert_array_equal(got, expected)
 
 
 # --- exactly zero gradients -----------------------------------------------------------------------

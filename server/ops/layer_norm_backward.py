@@ -119,6 +119,22 @@ def workspace_size(plan: Plan) -> int:
     return block_scratch(plan.inputs["input"].numel // n if n else 0, n)
 
 
+def far_statistics_dot(
+    gw: np.ndarray, x: np.ndarray, mean: np.ndarray, rstd: np.ndarray, dot: np.ndarray
+) -> np.ndarray:
+    """mean(g·w·x̂) along the last axis in fp64 as rstd·(mean(g·w·(x − x₀)) + (x₀ − μ)·mean(g·w)), x₀ the
+    row's first element, where that is finite; `dot` (mean(g·w·x̂) as computed) elsewhere.
+
+    x − x₀ is exact in fp64, x − μ is not when the given mean lies ~2^29 times beyond the data
+    (statistics that are not the input's own): every x̂ of the row is then the same, and the x̂
+    term of the gradient, which the exact result keeps, cancels. Rows holding ±Inf or NaN keep
+    the formula as written (and its IEEE results)."""
+    first = x[..., :1]
+    shifted = np.multiply(gw, x - first).mean(axis=-1, keepdims=True) + (first - mean) * gw.mean(axis=-1, keepdims=True)
+    shifted *= rstd
+    return np.where(np.isfinite(shifted), shifted, dot)
+
+
 def layer_norm_rows(
     g: Rows, x: Rows, mean: np.ndarray, rstd: np.ndarray, w: np.ndarray, dx: np.ndarray | None, want_sums: bool
 ) -> tuple[np.ndarray | None, bool]:
@@ -153,7 +169,10 @@ def layer_norm_rows(
             # In fp64, so that a constant g·w (x̂ = 0: gradInput exactly 0) is its own mean.
             mean_gw = (gb.sum(axis=2, keepdims=True, dtype=np.float64) / n).astype(gb.dtype)
             np.multiply(gb, xhat, out=product)
-            xhat *= product.mean(axis=2, keepdims=True)
+            dot = product.mean(axis=2, keepdims=True)
+            if gb.dtype == np.float64:
+                dot = far_statistics_dot(gb, widened(x[rows].reshape(shape)), mean[rows].reshape(-1, span, 1), rs, dot)
+            xhat *= dot
             gb -= mean_gw
             gb -= xhat
             gb *= rs

@@ -127,12 +127,20 @@ def per_channel(c: Call, name: str, n: int, default: float) -> Any:
     return c.full(n, default) if t is None or t.numel() == 0 else t.reshape(n)
 
 
-def input_gradient(c: Call, gw: Any, xhat: Any, rstd: Any, dot: Any = None, into: Any = None) -> Any:
+def input_gradient(
+    c: Call, gw: Any, xhat: Any, rstd: Any, dot: Any = None, into: Any = None, x: Any = None, mean: Any = None
+) -> Any:
     """(g·w − mean(g·w) − x̂·mean(g·w·x̂))·rstd along the rows of [M, N]: SPEC's formula as written, not
     aten's folded a·g·w + b·x + c (with N = 1, or x̂ = 0, the bracket cancels exactly). `dot`: Σ g·w·x̂
-    per row when the caller has it; `into`: where the result goes."""
+    per row when the caller has it; `into`: where the result goes; `x` and `mean` ([M, N], [M, 1]):
+    wide, mean(g·w·x̂) is taken about each row's first x where that is finite (the NumPy reference's
+    `far_statistics_dot`: statistics far beyond the data)."""
     n = gw.shape[1]
     mean_gw_xhat = (dot if dot is not None else (gw * xhat).sum(1, keepdim=True)) / n
+    if c.wide and x is not None:
+        first = x[:, :1]
+        shifted = ((gw * (x - first)).mean(1, keepdim=True) + (first - mean) * gw.mean(1, keepdim=True)) * rstd
+        mean_gw_xhat = c.torch.where(shifted.isfinite(), shifted, mean_gw_xhat)
     if c.wide:  # fp64 holds a constant row's sum exactly
         centered = gw - gw.sum(1, keepdim=True) / n
         return centered.addcmul_(xhat, mean_gw_xhat, value=-1).mul_(rstd)
@@ -225,7 +233,7 @@ def layer_norm_backward(c: Call, plan: Plan) -> None:
         gw = gt if w is None else gt * w.reshape(1, n)
         dot = gx.sum(1, keepdim=True) if w is None else None  # Σ g·x̂: no weight, no second product
         into = c.into("gradInputOut", (m, n))
-        c.store("gradInputOut", input_gradient(c, gw, xhat, rstd, dot, into))
+        c.store("gradInputOut", input_gradient(c, gw, xhat, rstd, dot, into, xt, c.w("mean").reshape(m, 1)))
 
 
 def layer_norm_grad(c: Call, plan: Plan) -> None:
@@ -243,7 +251,10 @@ def layer_norm_grad(c: Call, plan: Plan) -> None:
         n = x.numel() // m if m else 0
         if m and n:  # no normalization axes (b = r): N = 1, each element its own row
             dyg = (g * gamma).reshape(m, n)
-            c.store("pd_x", input_gradient(c, dyg, xhat.reshape(m, n), rstd.reshape(m, 1)).reshape(x.shape))
+            grad = input_gradient(
+                c, dyg, xhat.reshape(m, n), rstd.reshape(m, 1), x=c.w("x").reshape(m, n), mean=c.w("mean").reshape(m, 1)
+            )
+            c.store("pd_x", grad.reshape(x.shape))
         else:
             c.store("pd_x", xhat)  # no elements
     leading = r - gamma.ndim
