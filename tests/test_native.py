@@ -23,6 +23,7 @@ import pytest
 import torch
 from oracle import BF16, assert_close
 
+from aclnn_server import LocalClient
 from aclnn_server.backends.npu.acl import APIS
 from aclnn_server.ops import OPERATORS
 from aclnn_server.params import Kind
@@ -308,6 +309,44 @@ def check_chain(native_prefix: Path, compiled, address: str, tmp_path: Path, dty
         db = np.frombuffer(raw[2 * n * item + 4 * cols :], np.float32)
         for name, got, ref in zip(("y", "dx", "dw", "db"), (y, dx, dw, db), reference):
             assert_close(got, ref, f"stream {s} {name}")
+
+
+def test_every_parameter_kind(native_prefix, compiled, server_address, tmp_path, rng):
+    """int64_t, double and bool scalars, an aclBoolArray, in/out tensors and null optional outputs
+    reach the server as the Python client's would send them: GroupNorm and its backward, BatchNorm
+    (training, running statistics updated), BatchNormReduceBackward and RmsNorm from a C program,
+    against the same calls in process."""
+    values = rng.uniform(-2, 2, 64).astype(np.float32)
+    values[24:32] = rng.uniform(0.5, 1.5, 8)  # gamma/weight, beta/bias
+    values.tofile(tmp_path / "in.bin")
+    run_program(native_prefix, compiled(PROGRAMS / "every_kind.cpp"), server_address, str(tmp_path))
+    v = values.astype(np.float32)
+    zeros = lambda *shape: np.zeros(shape, np.float32)  # noqa: E731
+    gn = dict(self=v[:24].reshape(2, 4, 3), gamma=v[24:28], beta=v[28:32], N=2, C=4, HxW=3, group=2, eps=1e-5,
+              out=zeros(2, 4, 3), meanOut=zeros(2, 2), rstdOut=zeros(2, 2))  # fmt: skip
+    gnb = dict(gradOut=v[32:56].reshape(2, 4, 3), input=gn["self"], mean=gn["meanOut"], rstd=gn["rstdOut"],
+               gamma=gn["gamma"], N=2, C=4, HxW=3, group=2, outputMask=[True, False, True],
+               gradInput=zeros(2, 4, 3), gradGammaOut=None, gradBetaOut=zeros(4))  # fmt: skip
+    bn = dict(input=v[:12].reshape(3, 2, 2), weight=v[24:26], bias=v[28:30], runningMean=zeros(2),
+              runningVar=np.ones(2, np.float32), training=True, momentum=0.25, eps=1e-5, output=zeros(3, 2, 2),
+              saveMean=zeros(2), saveInvstd=zeros(2))  # fmt: skip
+    rb = dict(gradOut=v[32:44].reshape(3, 2, 2), input=bn["input"], mean=bn["saveMean"], invstd=bn["saveInvstd"],
+              weight=bn["weight"], inputG=True, weightG=False, biasG=True, sumDy=zeros(2), sumDyXmu=zeros(2),
+              gradWeight=None, gradBias=zeros(2))  # fmt: skip
+    rms = dict(x=v[:12].reshape(3, 4), gamma=v[24:28], epsilon=1e-6, yOut=zeros(3, 4), rstdOut=zeros(3, 1))
+    calls = [
+        ("group_norm", "aclnnGroupNorm", gn, ("out", "meanOut", "rstdOut")),
+        ("group_norm_backward", "aclnnGroupNormBackward", gnb, ("gradInput", "gradBetaOut")),
+        ("batch_norm", "aclnnBatchNorm", bn, ("output", "saveMean", "saveInvstd", "runningMean", "runningVar")),
+        ("batch_norm_reduce_backward", "aclnnBatchNormReduceBackward", rb, ("sumDy", "sumDyXmu", "gradBias")),
+        ("rms_norm", "aclnnRmsNorm", rms, ("yOut", "rstdOut")),
+    ]
+    with LocalClient("numpy") as local:
+        for stem, op, p, outputs in calls:
+            local.run(op, **p)
+            for name in outputs:
+                got = np.fromfile(tmp_path / f"{stem}.{name}.bin", np.float32).reshape(p[name].shape)
+                assert_close(got, p[name], f"{op} {name}")
 
 
 def test_a_process_that_exits_without_freeing_leaves_nothing(native_prefix, compiled, serve):
