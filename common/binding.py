@@ -31,6 +31,8 @@ def to_value(name: str, arg: Any, storage: bool = True) -> Value:
     if arg is None or isinstance(arg, str):
         return arg
     if isinstance(arg, Tensor):  # device storage is a pointer, not bytes: it always travels
+        for value in (*arg.view_dims, *arg.strides, arg.offset, *arg.storage_dims):  # aclCreateTensor's int64_t
+            _int64(name, value)
         return arg if storage or arg.data is None or isinstance(arg.data, DeviceBuffer) else arg.without_data()
     if isinstance(arg, np.ndarray):
         try:
@@ -210,7 +212,7 @@ def _storage_view(name: str, tensor: Tensor) -> np.ndarray:
         return np.ndarray(
             tensor.view_dims, dtype, buffer=storage, offset=tensor.offset * dtype.itemsize, strides=strides
         )
-    except (ValueError, TypeError) as exc:
+    except (ValueError, TypeError, OverflowError) as exc:  # an offset or stride past what NumPy takes
         raise invalid_error(name, f"output view does not fit its storage array: {exc}") from None
 
 

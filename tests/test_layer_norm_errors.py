@@ -11,7 +11,7 @@ import pytest
 from layer_norm_cases import F32, layer_norm_call
 from oracle import BF16, Untouched, cast, reshape, retag, sentinel_like, set_
 
-from aclnn_client import AclnnError, DataType, Format
+from aclnn_client import AclnnError, DataType, Format, create_tensor
 
 OP = "aclnnLayerNormBackward"
 NULL, INVALID = 161001, 161002
@@ -163,6 +163,24 @@ def test_wrong_kind_of_value(client, rng, name, value):
     with pytest.raises(AclnnError) as info:
         client.run(OP, **p)
     assert (info.value.code, info.value.param) == (INVALID, name)
+
+
+@pytest.mark.parametrize("name", ["gradInputOut", "gradOut"])
+@pytest.mark.parametrize("offset,stride", [(2**62, 1), (0, 2**62), (-1, 1)])
+def test_a_descriptor_beyond_any_address_is_invalid(client, rng, name, offset, stride):
+    """A hand-made descriptor whose offset or stride no address can reach (2^62 elements; 2^62 times
+    a stride is past int64, which aclCreateTensor's int64_t cannot hold): 161002 naming it, in process
+    as through the server. Found by a mutation fuzz: in process an output's view over its storage
+    raised NumPy's OverflowError, through the server the wire's encoder a ValueError. Nothing is written."""
+    p = layer_norm_call(rng)
+    shape = p[name].shape
+    strides = [stride * s // 4 for s in p[name].strides]
+    p[name] = create_tensor(shape, DataType.FLOAT, strides, offset, Format.ND, [p[name].size], p[name].reshape(-1))
+    untouched = Untouched(*(p[n] for n in ("gradWeightOut", "gradBiasOut")))
+    with pytest.raises(AclnnError) as info:
+        client.run(OP, **p)
+    assert (info.value.code, info.value.param) == (INVALID, name), str(info.value)
+    untouched.check()
 
 
 def test_output_dtype_float_of_int_tensor_named(client, rng):
