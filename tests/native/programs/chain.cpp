@@ -16,16 +16,7 @@
 #include "acl/acl.h"
 #include "aclnnop/aclnn_layer_norm.h"
 #include "aclnnop/aclnn_layer_norm_backward.h"
-
-#define CHECK(expr)                                                                                    \
-    do {                                                                                               \
-        long long rc_ = (expr);                                                                        \
-        if (rc_ != 0) {                                                                                \
-            const char *msg_ = aclGetRecentErrMsg();                                                   \
-            std::fprintf(stderr, "%s:%d %s -> %lld: %s\n", __FILE__, __LINE__, #expr, rc_, msg_ ? msg_ : ""); \
-            return 1;                                                                                  \
-        }                                                                                              \
-    } while (0)
+#include "check.h"
 
 static std::vector<char> read_file(const std::string &path)
 {

@@ -19,16 +19,7 @@
 #include "aclnnop/aclnn_group_norm.h"
 #include "aclnnop/aclnn_group_norm_backward.h"
 #include "aclnnop/aclnn_rms_norm.h"
-
-#define CHECK(expr)                                                                                    \
-    do {                                                                                               \
-        long long rc_ = (expr);                                                                        \
-        if (rc_ != 0) {                                                                                \
-            const char *msg_ = aclGetRecentErrMsg();                                                   \
-            std::fprintf(stderr, "%s:%d %s -> %lld: %s\n", __FILE__, __LINE__, #expr, rc_, msg_ ? msg_ : ""); \
-            return 1;                                                                                  \
-        }                                                                                              \
-    } while (0)
+#include "check.h"
 
 static const size_t IN_FLOATS = 64;
 
