@@ -51,7 +51,7 @@ from test_layer_norm_grad import lng_call, lng_reference
 from aclnn_client import AclnnError, Format, create_tensor
 from aclnn_server import LocalClient
 
-FUZZ_CASES = 100  # ~15 s on 2 cores; a bug in 1% of calls (a one-element result) shows in most runs
+FUZZ_CASES = 100  # ~15 s on 2 cores; a bug in 0.7% of calls (a one-element result) shows for half the seeds
 CASES = int(os.environ.get("ACLNN_FUZZ_CASES", FUZZ_CASES))
 SEED = int(os.environ.get("ACLNN_FUZZ_SEED", 30))
 BACKENDS = CROSS_BACKENDS
