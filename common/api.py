@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from .binding import BoundCall, bind
-from .device import DeviceBuffer, host_bytes, host_target
+from .device import DeviceBuffer, buffer_size, byte_count, byte_value, host_bytes, host_target
 from .errors import AclnnError, Status, invalid_error
 from .tensor import Value
 
@@ -118,7 +118,7 @@ class BaseClient(abc.ABC):
 
     def malloc(self, nbytes: int) -> DeviceBuffer:
         """`nbytes` of device memory on the server (zero-filled), of this client's session."""
-        return self._malloc(int(nbytes))
+        return self._malloc(buffer_size(int(nbytes)))
 
     def free(self, buf: DeviceBuffer) -> None:
         """Frees an allocation; calls queued on it finish first (its memory lives until they do)."""
@@ -155,7 +155,7 @@ class BaseClient(abc.ABC):
     def memset(self, buf: DeviceBuffer, value: int, nbytes: int) -> None:
         """Sets `nbytes` bytes from `buf` to `value` (0-255)."""
         self._own(buf, "buf")
-        self._fill(buf, int(value), int(nbytes))
+        self._fill(buf, byte_value(int(value)), byte_count(int(nbytes)))
 
     def synchronize(self, stream: int | None = None) -> None:
         """Waits for the calls on `stream` (every stream when None), raising the first failure of a

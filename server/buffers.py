@@ -23,9 +23,10 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from aclnn_common.device import buffer_size
 from aclnn_common.errors import Status, invalid_error
 
-from .descriptors import MAX_COUNT, TensorDesc
+from .descriptors import TensorDesc
 from .errors import CapacityError
 from .ledger import Hold, MemoryLedger
 
@@ -151,8 +152,7 @@ class BufferStore:
     def malloc(self, owner: str | None, session: str | None, nbytes: int) -> Buffer:
         if not session:
             raise invalid_error("session", "device buffers need an x-aclnn-session id in the call's metadata")
-        if not 0 < nbytes <= MAX_COUNT:
-            raise invalid_error("size", f"a device buffer holds 1 to 2^62 bytes, not {nbytes}")
+        buffer_size(nbytes)
         with self._cond:
             count = self._per_owner[owner]
         if count >= self.max_per_identity:
@@ -188,6 +188,8 @@ class BufferStore:
         return ResidentStorage(buffer, offset)
 
     def check_range(self, storage: ResidentStorage, nbytes: int, param: str) -> None:
+        if nbytes < 0:  # in process: the wire's unsigned fields carry none
+            raise invalid_error(param, f"a byte count is 0 or more, not {nbytes}")
         if storage.offset + nbytes > storage.buffer.size:
             raise invalid_error(
                 param,

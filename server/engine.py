@@ -17,6 +17,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from aclnn_common.device import byte_value
 from aclnn_common.errors import AclnnError, Status, invalid_error
 from aclnn_common.tensor import BoolArray, IntArray, Tensor, Value
 
@@ -525,8 +526,7 @@ class Engine:
             self.buffers.memory.copy(dst.buffer.block, dst.offset, src.buffer.block, src.offset, size)
 
     def fill_buffer(self, dst: ResidentStorage, size: int, value: int, call: CallContext) -> None:
-        if not 0 <= value <= 255:
-            raise invalid_error("value", f"memset sets bytes: 0 to 255, not {value}")
+        byte_value(value)
         self.buffers.check_range(dst, size, "size")
         with self._transfer([dst], call):
             self.buffers.memory.fill(dst.buffer.block, dst.offset, size, value)

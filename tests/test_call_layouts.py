@@ -117,9 +117,9 @@ def _attached_call(rng) -> pb.OpCall:
 
 def test_the_server_decodes_a_layout_once_and_resolves_storage_per_call(rng):
     call = _attached_call(rng)
-    fresh = wire.decode_params(call.params, lambda ref: ("bytes", ref.attached.offset))
+    fresh = wire.decode_params(call.params, lambda ref, name: ("bytes", ref.attached.offset))
     for round_ in range(2):
-        values = wire.decode_call(call, lambda ref, r=round_: ("bytes", ref.attached.offset, r))
+        values = wire.decode_call(call, lambda ref, name, r=round_: ("bytes", ref.attached.offset, r))
         assert values.keys() == fresh.keys()
         for name, value in values.items():
             if isinstance(value, Tensor) and value.data is not None:
@@ -134,7 +134,7 @@ def test_the_server_never_caches_tensor_bytes_sent_inline(rng):
     call = _attached_call(rng)
     call.params["gradOut"].tensor.ClearField("ref")
     call.params["gradOut"].tensor.data = np.arange(16, dtype=np.float32).tobytes()  # small, but inline
-    values = wire.decode_call(call, lambda ref: None)
+    values = wire.decode_call(call, lambda ref, name: None)
     assert values["gradOut"].data == call.params["gradOut"].tensor.data
     assert call.SerializeToString() not in wire._calls
     assert not any(call.params["gradOut"].tensor.data in key for key in wire._calls)
@@ -145,10 +145,10 @@ def test_calls_naming_uploads_are_decoded_each_time_not_kept(rng):
     """A handle or a reservation is made for one call: keeping its layout would only push others out."""
     call = _attached_call(rng)
     call.params["gradOut"].tensor.ref.handle = "h-1"
-    values = wire.decode_call(call, lambda ref: ("bytes", ref.WhichOneof("kind")))
+    values = wire.decode_call(call, lambda ref, name: ("bytes", ref.WhichOneof("kind")))
     assert values["gradOut"].data == ("bytes", "handle")
     assert call.SerializeToString() not in wire._calls
     call = _attached_call(rng)
     call.reservation = "r-1"
-    wire.decode_call(call, lambda ref: None)
+    wire.decode_call(call, lambda ref, name: None)
     assert call.SerializeToString() not in wire._calls

@@ -107,6 +107,58 @@ def test_bad_transfers_are_refused(device_client):
     assert err.value.code == 161002 and "unknown or freed" in err.value.message
 
 
+@pytest.mark.parametrize(
+    "call,param",
+    [
+        (lambda c: c.malloc(-1), "size"),
+        (lambda c: c.malloc(2**64), "size"),
+        (lambda c: c.memset(c.malloc(8), -1, 4), "value"),
+        (lambda c: c.memset(c.malloc(8), 7, -1), "size"),
+    ],
+    ids=["malloc -1", "malloc 2^64", "memset value -1", "memset -1 bytes"],
+)
+def test_counts_out_of_range_are_refused_by_name(device_client, call, param):
+    """Counts the wire's unsigned fields cannot carry: 161002 naming the parameter on every client
+    (through the server the encoder raised a bare ValueError, and in process memset of -1 bytes ran;
+    found by a device-memory fuzz)."""
+    with pytest.raises(AclnnError) as err:
+        call(device_client)
+    assert (err.value.code, err.value.param) == (161002, param), str(err.value)
+
+
+@pytest.mark.parametrize("unix_socket", [True, False], ids=["unix", "tcp"])
+def test_an_empty_write_keeps_the_data_channel_in_step(server_address, unix_socket):
+    """An empty write's inline bytes read as none on the server, which took it for a raw write and
+    answered twice: the next call over the connection read the stale reply (found by a device-memory fuzz)."""
+    with Client(server_address, unix_socket=unix_socket) as c:
+        buf = c.malloc(8)
+        c.memcpy(buf, np.arange(8, dtype=np.uint8))
+        c.memcpy(buf, np.zeros(0, np.uint8))
+        back = np.zeros(4, np.uint8)
+        c.memcpy(back, buf + 2)
+        assert back.tolist() == [2, 3, 4, 5]
+        c.free(buf)
+
+
+def test_a_freed_buffer_is_named_by_the_parameter_using_it(device_client):
+    """Through the server as in process: `dst`, `src`, or the tensor's own parameter (not `buffer`)."""
+    buf = device_client.malloc(64)
+    device_client.free(buf)
+    x = on_device(buf, (2, 4))
+    uses = {
+        "dst": lambda: device_client.memcpy(buf, np.zeros(4, np.uint8)),
+        "src": lambda: device_client.memcpy(np.zeros(4, np.uint8), buf),
+        "input": lambda: device_client.run(
+            "aclnnLayerNorm", input=x, normalizedShape=[4], weightOptional=None, biasOptional=None, eps=1e-5,
+            out=np.zeros((2, 4), np.float32), meanOutOptional=None, rstdOutOptional=None,
+        ),
+    }  # fmt: skip
+    for param, use in uses.items():
+        with pytest.raises(AclnnError) as err:
+            use()
+        assert (err.value.code, err.value.param) == (161002, param), str(err.value)
+
+
 def layer_norm_reference(x: np.ndarray, dy: np.ndarray, w: np.ndarray, b: np.ndarray):
     t = lambda a: torch.from_numpy(np.asarray(a, np.float64))  # noqa: E731
     y, mean, rstd = torch.ops.aten.native_layer_norm(t(x), [x.shape[1]], t(w), t(b), 1e-5)

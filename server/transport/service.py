@@ -230,14 +230,14 @@ class AclnnService:
     def GetWorkspaceSize(self, request: pb.OpCall, call: CallContext) -> pb.WorkspacePlan:
         self.storage.touch(call.session, call.owner, create=True)  # the executor lives in the session
         # The executor keeps its bytes: attached ones are copied out of the request (and held with it).
-        values = decode_call(request, lambda ref: self._stored(ref, call, kept=True))
+        values = decode_call(request, lambda ref, name: self._stored(ref, call, name, kept=True))
         size, executor = self.engine.get_workspace_size(request.op, values, call)
         return pb.WorkspacePlan(workspace_size=size, executor=executor)
 
     def Execute(self, request: pb.ExecuteRequest, call: CallContext) -> pb.ExecuteResponse:
         self._take_reservation(request.reservation, call)
         inputs: dict[str, Any] = dict(request.inputs)
-        inputs.update({name: self._stored(ref, call) for name, ref in request.input_refs.items()})
+        inputs.update({name: self._stored(ref, call, name) for name, ref in request.input_refs.items()})
         placed(request.placements, call)
         in_regions = self._executor_regions(request, inputs, call)
         outputs = self.engine.execute(request.executor, inputs, call, in_regions)
@@ -248,7 +248,7 @@ class AclnnService:
         if reply is not None:
             return reply
         self._take_reservation(request.reservation, call)
-        values = decode_call(request, lambda ref: self._stored(ref, call))
+        values = decode_call(request, lambda ref, name: self._stored(ref, call, name))
         placed(request.placements, call)
         in_regions = self._run_regions(values, request.placements, call)
         size, outputs = self.engine.run(request.op, values, call, in_regions)
@@ -314,7 +314,7 @@ class AclnnService:
         self.storage.touch(call.session, call.owner, create=True)
         if request.HasField("run"):
             placed(request.run.placements, call)
-            values = decode_call(request.run, lambda ref: None)  # descriptors are enough to plan
+            values = decode_call(request.run, lambda ref, name: None)  # descriptors are enough to plan
             holds, sizes = self.engine.reserve(call, request.uploads, request.run.op, values, request.in_place)
         else:
             placed(request.execute.placements, call)
@@ -358,10 +358,11 @@ class AclnnService:
         )
 
     def _stored(
-        self, ref: pb.StorageRef, call: CallContext, kept: bool = False
+        self, ref: pb.StorageRef, call: CallContext, param: str, kept: bool = False
     ) -> memoryview | bytes | ResidentStorage:
         """The bytes a StorageRef names: an uploaded tensor, a slice of a shared-memory region, device
-        memory, or a slice of the request's attached part (a copy when `kept` beyond the request)."""
+        memory (a buffer unknown or freed is 161002 naming `param`, the tensor's parameter, as in process),
+        or a slice of the request's attached part (a copy when `kept` beyond the request)."""
         kind = ref.WhichOneof("kind")
         if kind == "attached":  # first: every small call's tensors are
             part, r = call.attachment, ref.attached
@@ -381,7 +382,7 @@ class AclnnService:
         if kind == "region":
             return self._region_slice(ref.region, call)
         if kind == "device":
-            return self._device(ref.device, call, "buffer")
+            return self._device(ref.device, call, param)
         raise invalid_error("ref", "names neither a tensor handle, a region, a device buffer nor attached bytes")
 
     def _region_slice(self, r: pb.RegionSlice, call: CallContext) -> memoryview:
@@ -558,7 +559,7 @@ class AclnnService:
     def WriteBuffer(self, write: BufferBytes, call: CallContext) -> pb.Empty:
         """Host -> device; a write whose bytes do not all arrive is 161002 naming `data` (the bytes
         that did may have landed)."""
-        target = self.engine.buffers.slice(call.owner, call.session, write.buffer, write.offset)
+        target = self.engine.buffers.slice(call.owner, call.session, write.buffer, write.offset, "dst")
         size = write.size
         self.engine.write_buffer(target, size, lambda array: write.read_into(memoryview(array)), call)
         call.bytes_in = size
@@ -566,7 +567,7 @@ class AclnnService:
 
     def ReadBuffer(self, request: pb.BufferRange, call: CallContext) -> memoryview:
         """Device -> host: the bytes, which the transport sends (in chunks, or raw)."""
-        source = self.engine.buffers.slice(call.owner, call.session, request.buffer, request.offset)
+        source = self.engine.buffers.slice(call.owner, call.session, request.buffer, request.offset, "src")
         data = self.engine.read_buffer(source, request.size, call)
         call.bytes_out = data.nbytes
         return memoryview(data)

@@ -13,15 +13,15 @@ from aclnn_common._proto import aclnn_pb2 as pb
 from aclnn_common.tensor import BoolArray, IntArray, Tensor, Value
 from aclnn_common.types import data_type_of
 
-StorageResolver = Callable[[pb.StorageRef], Any]
+StorageResolver = Callable[[pb.StorageRef, str], Any]  # a tensor's StorageRef, and its parameter's name
 
 
-def decode_tensor(message: pb.Tensor, resolve: StorageResolver) -> Tensor:
-    """A tensor; bytes held on the server (`ref`) are looked up through `resolve`."""
+def decode_tensor(message: pb.Tensor, resolve: StorageResolver, name: str) -> Tensor:
+    """Parameter `name`'s tensor; bytes held on the server (`ref`) are looked up through `resolve`."""
     if message.HasField("data"):
         data = message.data
     else:
-        data = resolve(message.ref) if message.HasField("ref") else None
+        data = resolve(message.ref, name) if message.HasField("ref") else None
     return Tensor(
         view_dims=tuple(message.view_dims),
         data_type=message.data_type,
@@ -64,7 +64,7 @@ def decode_call(request: pb.OpCall, resolve: StorageResolver) -> dict[str, Value
             if len(_calls) >= _CALLS_KEPT:
                 del _calls[next(iter(_calls))]  # the oldest
             _calls[encoded] = layout
-    return {name: value if ref is None else _with_storage(value, resolve(ref)) for name, value, ref in layout}
+    return {name: value if ref is None else _with_storage(value, resolve(ref, name)) for name, value, ref in layout}
 
 
 def _carries_bytes(params: Mapping[str, pb.Value]) -> bool:
@@ -84,13 +84,13 @@ def _layout(params: Mapping[str, pb.Value]) -> _Layout | None:
     return tuple(layout)
 
 
-def decode_value(message: pb.Value, resolve: StorageResolver) -> Value:
-    """A parameter value; a Value with no kind set is an explicit null pointer."""
+def decode_value(message: pb.Value, resolve: StorageResolver, name: str) -> Value:
+    """Parameter `name`'s value; a Value with no kind set is an explicit null pointer."""
     parts = _parts(message)
     if parts is None:
-        return _decode_value(message, resolve)
+        return _decode_value(message, resolve, name)
     value, ref = parts
-    return value if ref is None else _with_storage(value, resolve(ref))
+    return value if ref is None else _with_storage(value, resolve(ref, name))
 
 
 def _parts(message: pb.Value) -> tuple[Value, pb.StorageRef | None] | None:
@@ -114,7 +114,7 @@ def _without_storage(message: pb.Value) -> tuple[Value, pb.StorageRef | None]:
     if message.WhichOneof("kind") == "tensor" and message.tensor.HasField("ref"):
         ref = pb.StorageRef()
         ref.CopyFrom(message.tensor.ref)  # its own: a kept layout holds nothing of the request it came in
-    return _decode_value(message, lambda _: None), ref
+    return _decode_value(message, lambda _ref, _name: None, ""), ref
 
 
 def _with_storage(tensor: Tensor, data: Any) -> Tensor:
@@ -122,12 +122,12 @@ def _with_storage(tensor: Tensor, data: Any) -> Tensor:
                   tensor.storage_dims, data)  # fmt: skip
 
 
-def _decode_value(message: pb.Value, resolve: StorageResolver) -> Value:
+def _decode_value(message: pb.Value, resolve: StorageResolver, name: str) -> Value:
     kind = message.WhichOneof("kind")
     if kind is None:
         return None
     if kind == "tensor":
-        return decode_tensor(message.tensor, resolve)
+        return decode_tensor(message.tensor, resolve, name)
     if kind == "int_array":
         return IntArray(message.int_array.values)
     if kind == "bool_array":
@@ -136,7 +136,7 @@ def _decode_value(message: pb.Value, resolve: StorageResolver) -> Value:
 
 
 def decode_params(params: Mapping[str, pb.Value], resolve: StorageResolver) -> dict[str, Value]:
-    return {name: decode_value(value, resolve) for name, value in params.items()}
+    return {name: decode_value(value, resolve, name) for name, value in params.items()}
 
 
 def output_tensor(

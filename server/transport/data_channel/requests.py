@@ -89,7 +89,9 @@ class _SocketWrite:
 
     def __init__(self, requests: Requests, conn: Connection, message: pb.BufferWrite) -> None:
         self.buffer, self.offset, self.size, self.data = message.buffer, message.offset, message.size, message.data
-        self.raw = _SocketUpload(requests, conn, message.size) if not message.data else None
+        # Raw only when bytes are due and none came inline: an empty write's (inline) bytes field reads
+        # as unset, and answering it as raw sent a second reply the client never waited for.
+        self.raw = _SocketUpload(requests, conn, message.size) if message.size and not message.data else None
 
     @property
     def started(self) -> bool:
