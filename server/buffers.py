@@ -188,7 +188,8 @@ class BufferStore:
         return ResidentStorage(buffer, offset)
 
     def check_range(self, storage: ResidentStorage, nbytes: int, param: str) -> None:
-        if nbytes < 0:  # in process: the wire's unsigned fields carry none
+        # The engine's own guard: no client sends a negative count (clients check theirs; the wire's are unsigned).
+        if nbytes < 0:
             raise invalid_error(param, f"a byte count is 0 or more, not {nbytes}")
         if storage.offset + nbytes > storage.buffer.size:
             raise invalid_error(
