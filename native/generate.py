@@ -5,7 +5,8 @@ Each served aclnn operator gets `include/aclnnop/aclnn_<snake_name>.h` with CANN
 **executor)` and `aclnnX(void *workspace, uint64_t workspaceSize, aclOpExecutor *executor,
 aclrtStream stream)`, and `src/aclnn_ops.cpp` their bodies, which send the parameters by their
 names. The parameter lists come from each operator's Signature, so they cannot drift from what
-the server validates. Graph operators (no `aclnn` prefix, e.g. LayerNormGrad) have no aclnn API.
+the server validates. Where CANN names an operator's header otherwise (CANN_HEADERS), a header of
+that name includes ours. Graph operators (no `aclnn` prefix, e.g. LayerNormGrad) have no aclnn API.
 
     python native/generate.py --out DIR     writes the files under DIR
     python native/generate.py --list        prints their paths relative to DIR (CMake reads this)
@@ -40,6 +41,11 @@ SENDERS = {
     Kind.INT: "integer",
     Kind.DOUBLE: "real",
 }
+
+
+# Operators whose header CANN names otherwise than aclnn_<snake_name>.h: a second header under CANN's
+# name, including ours, so that programs written for CANN build unmodified.
+CANN_HEADERS = {"aclnnBatchNormReduceBackward": "aclnn_batch_norm_backward_reduce.h"}
 
 
 def aclnn_operators() -> dict[str, tuple[ParamSpec, ...]]:
@@ -81,6 +87,15 @@ def header(op: str, params: tuple[ParamSpec, ...]) -> str:
     )
 
 
+def alias(op: str, name: str) -> str:
+    """CANN's header name for `op`'s header."""
+    guard = f"OP_API_INC_{name.removesuffix('.h').removeprefix('aclnn_').upper()}_H_"
+    return (
+        f"{HEADER}/* CANN's name for aclnn_{snake_name(op)}.h. */\n"
+        f'#ifndef {guard}\n#define {guard}\n\n#include "aclnnop/aclnn_{snake_name(op)}.h"\n\n#endif /* {guard} */\n'
+    )
+
+
 def source(operators: dict[str, tuple[ParamSpec, ...]]) -> str:
     parts = [HEADER, '#include "ops.h"\n']
     parts += [f'#include "aclnnop/aclnn_{snake_name(op)}.h"\n' for op in operators]
@@ -97,6 +112,7 @@ def source(operators: dict[str, tuple[ParamSpec, ...]]) -> str:
 
 def outputs(operators: dict[str, tuple[ParamSpec, ...]]) -> dict[str, str]:
     files = {f"include/aclnnop/aclnn_{snake_name(op)}.h": header(op, params) for op, params in operators.items()}
+    files |= {f"include/aclnnop/{name}": alias(op, name) for op, name in CANN_HEADERS.items() if op in operators}
     files["src/aclnn_ops.cpp"] = source(operators)
     return files
 

@@ -48,6 +48,7 @@ HEADERS = {
     "aclnn_batch_norm_gather_stats_with_counts.h",
     "aclnn_batch_norm_elemt.h",
     "aclnn_batch_norm_reduce_backward.h",
+    "aclnn_batch_norm_backward_reduce.h",  # CANN's own name of the one above, which includes it
 }
 
 
@@ -251,7 +252,16 @@ def test_errors_return_the_servers_status_and_message(native_prefix, compiled, s
     for refused in ("memcpy_host_as_device", "memcpy_device_as_host", "memcpy_past_end", "memcpy_count_over_destMax"):
         assert cases[refused][0] == invalid, refused
     assert cases["free_inside"][0] == cases["use_after_free"][0] == cases["malloc_zero"][0] == invalid
-    assert cases["set_device_1"][0] == 100007
+    assert cases["set_device_1"][0] == 107001  # ACL_ERROR_RT_INVALID_DEVICEID
+    # acl_base.h's codes, as CANN's acl_base.h and rt_error_codes.h give them
+    cann = {
+        "ACL_ERROR_INTERNAL_ERROR": 500000,
+        "ACL_ERROR_INVALID_DEVICE": 200002,
+        "ACL_ERROR_RT_INVALID_DEVICEID": 107001,
+        "ACL_ERROR_RT_MEMORY_ALLOCATION": 207001,
+        "ACL_ERROR_RT_INTERNAL_ERROR": 507000,
+    }
+    assert {name: cases[name][0] for name in cann} == cann
 
 
 def layer_norm_chain(x: np.ndarray, dy: np.ndarray, iterations: int) -> list[np.ndarray]:

@@ -379,7 +379,7 @@ aclError aclFinalize(void)
 // The pool is one device to a program: the server places the work.
 aclError aclrtSetDevice(int32_t deviceId)
 {
-    if (deviceId != 0) return fail(ACL_ERROR_INVALID_DEVICE, "aclrtSetDevice: the server is device 0");
+    if (deviceId != 0) return fail(ACL_ERROR_RT_INVALID_DEVICEID, "aclrtSetDevice: the server is device 0");
     return ACL_SUCCESS;
 }
 

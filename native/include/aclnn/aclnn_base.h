@@ -5,6 +5,11 @@
 #include "aclnn/acl_meta.h"
 
 #ifdef __cplusplus
+/* CANN's own sample programs use std::array without including it (their toolchains' headers bring it). */
+#include <array>
+#endif
+
+#ifdef __cplusplus
 extern "C" {
 #endif
 

@@ -60,6 +60,13 @@ int main()
     report("use_after_free", aclrtMemcpy(host, sizeof host, device, sizeof host, ACL_MEMCPY_DEVICE_TO_HOST));
     report("malloc_zero", aclrtMalloc(&device, 0, ACL_MEM_MALLOC_HUGE_FIRST));
     report("set_device_1", aclrtSetDevice(1));
+    // The codes a CANN program compares against, by name (std::array without <array>, as CANN's samples).
+    std::array<std::pair<const char *, int>, 5> codes = {{{"ACL_ERROR_INTERNAL_ERROR", ACL_ERROR_INTERNAL_ERROR},
+                                                         {"ACL_ERROR_INVALID_DEVICE", ACL_ERROR_INVALID_DEVICE},
+                                                         {"ACL_ERROR_RT_INVALID_DEVICEID", ACL_ERROR_RT_INVALID_DEVICEID},
+                                                         {"ACL_ERROR_RT_MEMORY_ALLOCATION", ACL_ERROR_RT_MEMORY_ALLOCATION},
+                                                         {"ACL_ERROR_RT_INTERNAL_ERROR", ACL_ERROR_RT_INTERNAL_ERROR}}};
+    for (const auto &[name, value] : codes) std::printf("%s %d \n", name, value);
     for (aclTensor *t : {x, dy, dx, mean, rstd, dw, db, on_host, past_end}) aclDestroyTensor(t);
     aclDestroyIntArray(norm);
     aclDestroyIntArray(bad_norm);

@@ -15,7 +15,7 @@
 
 #include "acl/acl.h"
 #include "aclnnop/aclnn_batch_norm.h"
-#include "aclnnop/aclnn_batch_norm_reduce_backward.h"
+#include "aclnnop/aclnn_batch_norm_backward_reduce.h"  // CANN's name for it
 #include "aclnnop/aclnn_group_norm.h"
 #include "aclnnop/aclnn_group_norm_backward.h"
 #include "aclnnop/aclnn_rms_norm.h"
