@@ -20,15 +20,23 @@ def layer_norm_backward(g, x, mean, rstd, w):
     return torch.ops.aten.native_layer_norm_backward(g, x, [n], mean, rstd, w, torch.zeros_like(w), [True, True, True])
 
 
-def serve(port: int) -> None:
+def options(tcp: bool):
+    """TensorPipe's options: its own choice (on one host, shared memory and cross-memory attach), or
+    (`tcp`) TCP alone, tensors included: the reference for a transport that crosses hosts."""
+    import torch.distributed.rpc as rpc
+
+    return rpc.TensorPipeRpcBackendOptions(_transports=["uv"], _channels=["basic"]) if tcp else None
+
+
+def serve(port: int, tcp: bool = False) -> None:
     import torch.distributed.rpc as rpc
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    rpc.init_rpc("server", rank=1, world_size=2)
+    rpc.init_rpc("server", rank=1, world_size=2, rpc_backend_options=options(tcp))
     rpc.shutdown()
 
 
-def client(port: int) -> None:
+def client(port: int, tcp: bool = False) -> None:
     """Answers one JSON command per line of stdin with one JSON line on stdout:
     {"inputs": [rows, n]}: the call's tensors from now on (transport.make_inputs);
     {"timed": count, "warmup": w}: that many call times, in seconds;
@@ -44,7 +52,7 @@ def client(port: int) -> None:
     from transport import make_inputs, timed
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    rpc.init_rpc("client", rank=0, world_size=2)
+    rpc.init_rpc("client", rank=0, world_size=2, rpc_backend_options=options(tcp))
     args: tuple = ()
 
     def call() -> None:

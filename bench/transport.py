@@ -108,10 +108,14 @@ class RpcClient:
     """PyTorch RPC's client process (rpc_udf.client), paused with its worker between requests: their
     busy-polling threads would otherwise take a core each from every other path."""
 
-    def __init__(self, here: str, port: int, worker: subprocess.Popen) -> None:
-        code = f"import sys; sys.path.insert(0, {here!r}); import rpc_udf; rpc_udf.client({port})"
-        self.process = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-        self.worker = worker
+    def __init__(self, here: str, tcp: bool = False) -> None:
+        """A worker and its client on a free port; `tcp`: TensorPipe on TCP alone (rpc_udf.options)."""
+        port = free_port()
+        start = f"import sys; sys.path.insert(0, {here!r}); import rpc_udf; rpc_udf."
+        self.worker = subprocess.Popen([sys.executable, "-c", f"{start}serve({port}, tcp={tcp})"])
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", f"{start}client({port}, tcp={tcp})"], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+        )
 
     def ask(self, **command: object) -> object:
         self._signal(signal.SIGCONT)
@@ -156,8 +160,12 @@ SWEEP_PATHS = {  # label -> Client options (None: LocalClient in this process, t
     "gRPC (data_channel=False)": dict(data_channel=False),
 }
 RPC = "PyTorch RPC (TensorPipe)"
+# TensorPipe picks shared memory on one host; this one is held to TCP, as the TCP path is (rpc_udf.options).
+RPC_TCP = "PyTorch RPC over TCP"
 # The ratio targets of the transport issue, per path: at most this many times PyTorch RPC's time.
 SWEEP_TARGETS = {"default (data channel, Unix socket)": 1.0, "shared memory": 0.5, "data channel over TCP": 1.0}
+# Like for like: the TCP path against PyTorch RPC on TCP too (a column and a dashed line beside the targets').
+TCP_PAIR = ("data channel over TCP", RPC_TCP)
 
 
 def sweep_batch(nbytes: int) -> int:
@@ -176,7 +184,7 @@ def size_label(nbytes: int) -> str:
 
 
 def sweep(
-    address: str, backend: str, torch_rpc: RpcClient, turns: int, sizes: list[int]
+    address: str, backend: str, references: dict[str, RpcClient], turns: int, sizes: list[int]
 ) -> dict[int, dict[str, list[float]]]:
     """Each path's call times at each size, in turns (Williams order) of a few calls per path."""
     from aclnn_client import Client
@@ -190,10 +198,12 @@ def sweep(
     try:
         for nbytes in sizes:
             rows = nbytes // (4 * SWEEP_WIDTH)
-            torch_rpc.ask(inputs=[rows, SWEEP_WIDTH])
             p = aclnn_params(make_inputs(rows, SWEEP_WIDTH))
             batch = sweep_batch(nbytes)
-            batches: dict[str, Callable[[int], list[float]]] = {RPC: lambda k: torch_rpc.ask(timed=k, warmup=1)}
+            batches: dict[str, Callable[[int], list[float]]] = {}
+            for label, rpc in references.items():
+                rpc.ask(inputs=[rows, SWEEP_WIDTH])
+                batches[label] = lambda k, rpc=rpc: rpc.ask(timed=k, warmup=1)
             for label, client in clients.items():
                 batches[label] = lambda k, c=client, p=p: timed(lambda: c.run(OP, **p), k, warmup=1)
             results[nbytes] = interleaved(batches, turns * batch, batch)
@@ -206,14 +216,17 @@ def sweep(
 
 
 def sweep_table(results: dict[int, dict[str, list[float]]]) -> str:
-    """Medians per size and path, and the targeted paths' ratios to PyTorch RPC (median of per-turn ratios)."""
-    labels = [RPC, *SWEEP_PATHS]
+    """Medians per size and path, the targeted paths' ratios to PyTorch RPC and TCP's to PyTorch RPC on TCP
+    (ratios of the medians)."""
+    labels = [RPC, RPC_TCP, *SWEEP_PATHS]
     head = ["tensor", *[f"{label} ms" for label in labels], *[f"{label} / RPC" for label in SWEEP_TARGETS]]
+    head.append(f"{TCP_PAIR[0]} / {TCP_PAIR[1]}")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for nbytes, samples in results.items():
         cells = [size_label(nbytes)] + [f"{statistics.median(samples[label]) * 1e3:.2f}" for label in labels]
         rpc = statistics.median(samples[RPC])
         cells += [f"{statistics.median(samples[label]) / rpc:.2f}x" for label in SWEEP_TARGETS]
+        cells.append(f"{statistics.median(samples[TCP_PAIR[0]]) / statistics.median(samples[TCP_PAIR[1]]):.2f}x")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -226,17 +239,30 @@ def sweep_plot(results: dict[int, dict[str, list[float]]], path: str, title: str
     import matplotlib.pyplot as plt
 
     sizes = list(results)
-    labels = [RPC, *SWEEP_PATHS]
-    colors = dict(zip(labels, ["black", *plt.get_cmap("tab10").colors]))  # a path's color in both panels
+    labels = [RPC, RPC_TCP, *SWEEP_PATHS]
+    colors = dict(zip(labels, ["black", "grey", *plt.get_cmap("tab10").colors]))  # a path's color in both panels
     fig, (times, ratios) = plt.subplots(1, 2, figsize=(13, 5.2))
     for label in labels:
         medians = [statistics.median(results[s][label]) * 1e3 for s in sizes]
-        width = 2.5 if label == RPC else 1.5
+        width = 2.5 if label in (RPC, RPC_TCP) else 1.5
         times.plot(sizes, medians, marker="o", markersize=4, label=label, color=colors[label], linewidth=width)
+
+    def ratio(label: str, reference: str) -> list[float]:
+        return [statistics.median(results[s][label]) / statistics.median(results[s][reference]) for s in sizes]
+
     for label, target in SWEEP_TARGETS.items():
-        ratio = [statistics.median(results[s][label]) / statistics.median(results[s][RPC]) for s in sizes]
-        ratios.plot(sizes, ratio, marker="o", markersize=4, label=label, color=colors[label])
+        ratios.plot(sizes, ratio(label, RPC), marker="o", markersize=4, label=label, color=colors[label])
         ratios.axhline(target, color=colors[label], linestyle=":", linewidth=1)
+    tcp, reference = TCP_PAIR
+    ratios.plot(
+        sizes,
+        ratio(tcp, reference),
+        marker="s",
+        markersize=4,
+        linestyle="--",
+        color=colors[tcp],
+        label=f"{tcp}, against {reference}",
+    )
     for axis in (times, ratios):
         axis.set_xscale("log", base=2)
         axis.set_xticks(sizes, [size_label(s) for s in sizes], rotation=45)
@@ -263,7 +289,9 @@ def main() -> int:
     # a backend named prints `listening on` once it is ready.
     parser.add_argument("--backend", default="cpu", help="aclnn-serve backend (default cpu)")
     parser.add_argument("--sweep", action="store_true", help="only the size sweep (64 KiB .. 64 MiB per tensor)")
-    parser.add_argument("--turns", type=int, default=6, help="sweep: turns per size (default 6: balanced for 6 paths)")
+    parser.add_argument(
+        "--turns", type=int, default=14, help="sweep: turns per size (default 14: balanced for its 7 paths)"
+    )
     parser.add_argument("--plot", default="docs/transport_sweep.png", help="sweep: where the PNG goes")
     parser.add_argument(
         "--sizes", type=parse_sizes, default=SWEEP_SIZES, help="sweep: bytes per tensor, e.g. 1M,2M,4M (default all)"
@@ -293,16 +321,16 @@ def main() -> int:
         text=True,
     )
     address = re.fullmatch(r"listening on (\S+)\n", server.stdout.readline())[1]
-    rpc_port = free_port()
     here = os.path.dirname(os.path.abspath(__file__))
-    worker = subprocess.Popen(
-        [sys.executable, "-c", f"import sys; sys.path.insert(0, {here!r}); import rpc_udf; rpc_udf.serve({rpc_port})"]
-    )
-    torch_rpc = RpcClient(here, rpc_port, worker)
+    torch_rpc = RpcClient(here)
     rows_out: list[tuple[str, str, float, float | tuple[float, float]]] = []
     try:
         if args.sweep:
-            results = sweep(address, args.backend, torch_rpc, args.turns, args.sizes)
+            rpc_tcp = RpcClient(here, tcp=True)
+            try:
+                results = sweep(address, args.backend, {RPC: torch_rpc, RPC_TCP: rpc_tcp}, args.turns, args.sizes)
+            finally:
+                rpc_tcp.close()
             title = (
                 f"LayerNorm backward, [rows, {SWEEP_WIDTH}] fp32, aclnn-serve backend {args.backend}, "
                 f"{os.cpu_count()} cores, one run (load average {os.getloadavg()[0]:.1f})"
@@ -396,7 +424,7 @@ def main() -> int:
         turns = {
             "PyTorch RPC (TensorPipe)": (
                 lambda: torch_rpc.ask(loop=seconds / slices, threads=clients),
-                worker.pid,
+                torch_rpc.worker.pid,
                 torch_rpc.process.pid,
             )
         }
