@@ -253,6 +253,12 @@ def test_errors_return_the_servers_status_and_message(native_prefix, compiled, s
         assert cases[refused][0] == invalid, refused
     assert cases["free_inside"][0] == cases["use_after_free"][0] == cases["malloc_zero"][0] == invalid
     assert cases["set_device_1"][0] == 107001  # ACL_ERROR_RT_INVALID_DEVICEID
+    contexts_ok = ("get_context", "create_context", "created_is_current", "stream_in_created_context")
+    for ok in (*contexts_ok, "set_default_context", "destroy_context", "run_mode", "run_mode_is_host"):
+        assert cases[ok] == (0, ""), ok
+    for refused in ("destroy_context_again", "destroy_default_context", "set_destroyed_context", "create_context_null"):
+        assert cases[refused][0] == invalid, refused
+    assert cases["create_context_device_1"][0] == 107001
     # acl_base.h's codes, as CANN's acl_base.h and rt_error_codes.h give them
     cann = {
         "ACL_ERROR_INTERNAL_ERROR": 500000,

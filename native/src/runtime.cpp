@@ -16,6 +16,7 @@
 #include <map>
 #include <mutex>
 #include <random>
+#include <set>
 #include <sstream>
 #include <thread>
 
@@ -223,6 +224,24 @@ struct Stream {
 std::atomic<int64_t> next_stream{1};
 std::atomic<int> initialized{0};
 
+// Contexts: handles on the one device, each thread's current one. They hold nothing of their own:
+// streams and device memory belong to the process (its session on the server), which a program
+// correct on CANN, keeping each stream in its context, cannot tell apart.
+struct Context {
+    bool is_default;
+};
+Context default_context{true};
+std::mutex contexts_lock;
+std::set<Context *> contexts{&default_context};  // the live ones
+std::atomic<bool> device_set{false};
+thread_local Context *current_context = nullptr;
+
+bool live_context(Context *context)
+{
+    std::lock_guard<std::mutex> hold(contexts_lock);
+    return contexts.count(context) != 0;
+}
+
 // A runtime (aclrt*) failure's aclError: the server refused the arguments, it is out of memory, or else.
 aclError runtime_failure(const grpc::Status &status)
 {
@@ -380,6 +399,64 @@ aclError aclFinalize(void)
 aclError aclrtSetDevice(int32_t deviceId)
 {
     if (deviceId != 0) return fail(ACL_ERROR_RT_INVALID_DEVICEID, "aclrtSetDevice: the server is device 0");
+    device_set = true;
+    if (!current_context) current_context = &default_context;  // the device's default context, as CANN
+    return ACL_SUCCESS;
+}
+
+aclError aclrtCreateContext(aclrtContext *context, int32_t deviceId)
+{
+    if (!context) return fail(ACL_ERROR_INVALID_PARAM, "aclrtCreateContext: context is null");
+    if (deviceId != 0) return fail(ACL_ERROR_RT_INVALID_DEVICEID, "aclrtCreateContext: the server is device 0");
+    auto *created = new Context{false};
+    {
+        std::lock_guard<std::mutex> hold(contexts_lock);
+        contexts.insert(created);
+    }
+    device_set = true;
+    current_context = created;  // a new context is the calling thread's current one
+    *context = created;
+    return ACL_SUCCESS;
+}
+
+aclError aclrtDestroyContext(aclrtContext context)
+{
+    auto *doomed = static_cast<Context *>(context);
+    {
+        std::lock_guard<std::mutex> hold(contexts_lock);
+        if (!contexts.count(doomed) || doomed->is_default)
+            return fail(ACL_ERROR_INVALID_PARAM, "aclrtDestroyContext: not a context from aclrtCreateContext");
+        contexts.erase(doomed);
+    }
+    if (current_context == doomed) current_context = nullptr;
+    delete doomed;
+    return ACL_SUCCESS;
+}
+
+aclError aclrtSetCurrentContext(aclrtContext context)
+{
+    auto *chosen = static_cast<Context *>(context);
+    if (!live_context(chosen)) return fail(ACL_ERROR_INVALID_PARAM, "aclrtSetCurrentContext: not a live context");
+    current_context = chosen;
+    return ACL_SUCCESS;
+}
+
+aclError aclrtGetCurrentContext(aclrtContext *context)
+{
+    if (!context) return fail(ACL_ERROR_INVALID_PARAM, "aclrtGetCurrentContext: context is null");
+    Context *current = current_context;
+    if (current && !live_context(current)) current = nullptr;  // destroyed on another thread
+    if (!current && device_set) current = &default_context;
+    if (!current) return fail(ACL_ERROR_RT_CONTEXT_NULL, "aclrtGetCurrentContext: no device set and no context made");
+    *context = current;
+    return ACL_SUCCESS;
+}
+
+// The program runs on a host beside its (remote) device, as on an Ascend card in a server.
+aclError aclrtGetRunMode(aclrtRunMode *runMode)
+{
+    if (!runMode) return fail(ACL_ERROR_INVALID_PARAM, "aclrtGetRunMode: runMode is null");
+    *runMode = ACL_HOST;
     return ACL_SUCCESS;
 }
 

@@ -60,6 +60,23 @@ int main()
     report("use_after_free", aclrtMemcpy(host, sizeof host, device, sizeof host, ACL_MEMCPY_DEVICE_TO_HOST));
     report("malloc_zero", aclrtMalloc(&device, 0, ACL_MEM_MALLOC_HUGE_FIRST));
     report("set_device_1", aclrtSetDevice(1));
+    // Contexts: the default one (aclrtSetDevice's), a created one, and handles that are not (live) contexts.
+    aclrtContext first = nullptr, made = nullptr, current = nullptr, unused = nullptr;
+    report("get_context", aclrtGetCurrentContext(&first));
+    report("create_context", aclrtCreateContext(&made, 0));
+    aclrtGetCurrentContext(&current);
+    report("created_is_current", current == made && made != first ? 0 : 1);
+    report("stream_in_created_context", aclrtSynchronizeStream(stream));
+    report("set_default_context", aclrtSetCurrentContext(first));
+    report("destroy_context", aclrtDestroyContext(made));
+    report("destroy_context_again", aclrtDestroyContext(made));
+    report("destroy_default_context", aclrtDestroyContext(first));
+    report("set_destroyed_context", aclrtSetCurrentContext(made));
+    report("create_context_null", aclrtCreateContext(nullptr, 0));
+    report("create_context_device_1", aclrtCreateContext(&unused, 1));
+    aclrtRunMode mode = ACL_DEVICE;
+    report("run_mode", aclrtGetRunMode(&mode));
+    report("run_mode_is_host", mode == ACL_HOST ? 0 : 1);
     // The codes a CANN program compares against, by name (std::array without <array>, as CANN's samples).
     std::array<std::pair<const char *, int>, 5> codes = {{{"ACL_ERROR_INTERNAL_ERROR", ACL_ERROR_INTERNAL_ERROR},
                                                          {"ACL_ERROR_INVALID_DEVICE", ACL_ERROR_INVALID_DEVICE},
