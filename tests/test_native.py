@@ -258,6 +258,10 @@ def test_errors_return_the_servers_status_and_message(native_prefix, compiled, s
         assert cases[ok] == (0, ""), ok
     for refused in ("destroy_context_again", "destroy_default_context", "set_destroyed_context", "create_context_null"):
         assert cases[refused][0] == invalid, refused
+    memcpy_kinds = ("to_device", "on_device", "to_host", "round_trip")
+    for ok in (*(f"memcpy_default_{name}" for name in memcpy_kinds), "memcpy_buf_to_device"):
+        assert cases[ok] == (0, ""), ok
+    assert cases["memcpy_default_freed"][0] == cases["memcpy_kind_8"][0] == invalid
     assert cases["create_context_device_1"][0] == 107001
     # acl_base.h's codes, as CANN's acl_base.h and rt_error_codes.h give them
     cann = {

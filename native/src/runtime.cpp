@@ -328,6 +328,26 @@ aclError synchronize(int64_t stream)
     return status.ok() ? ACL_SUCCESS : rpc_failure(status);  // a queued call's failure: its own status
 }
 
+// The copy's direction: the kinds that name one of the four, and ACL_MEMCPY_DEFAULT's from the addresses
+// (device memory is this process's reserved range, freed allocations included: those are then refused).
+aclrtMemcpyKind direction(aclrtMemcpyKind kind, const void *dst, const void *src)
+{
+    switch (kind) {
+    case ACL_MEMCPY_DEFAULT: {
+        bool to_device = address_space().contains(dst), from_device = address_space().contains(src);
+        if (to_device) return from_device ? ACL_MEMCPY_DEVICE_TO_DEVICE : ACL_MEMCPY_HOST_TO_DEVICE;
+        return from_device ? ACL_MEMCPY_DEVICE_TO_HOST : ACL_MEMCPY_HOST_TO_HOST;
+    }
+    case ACL_MEMCPY_HOST_TO_BUF_TO_DEVICE:  // the copy is done when the call returns: the host memory is free
+        return ACL_MEMCPY_HOST_TO_DEVICE;
+    case ACL_MEMCPY_INNER_DEVICE_TO_DEVICE:
+    case ACL_MEMCPY_INTER_DEVICE_TO_DEVICE:  // one device: both are within it
+        return ACL_MEMCPY_DEVICE_TO_DEVICE;
+    default:
+        return kind;
+    }
+}
+
 }  // namespace
 
 aclnn::v1::Aclnn::Stub &stub() { return *connection().stub; }
@@ -548,7 +568,7 @@ aclError aclrtMemcpy(void *dst, size_t destMax, const void *src, size_t count, a
                                                  std::to_string(destMax));
     DeviceRef dst_ref, src_ref;
     aclError code;
-    switch (kind) {
+    switch (direction(kind, dst, src)) {
     case ACL_MEMCPY_HOST_TO_HOST:
         if ((code = host_range(dst, count, "aclrtMemcpy dst")) || (code = host_range(src, count, "aclrtMemcpy src")))
             return code;
@@ -578,6 +598,8 @@ aclError aclrtMemcpy(void *dst, size_t destMax, const void *src, size_t count, a
         grpc::Status status = stub().CopyBuffer(context().get(), request, &reply);
         return status.ok() ? ACL_SUCCESS : runtime_failure(status);
     }
+    default:
+        break;
     }
     return fail(ACL_ERROR_INVALID_PARAM, "aclrtMemcpy: unknown kind " + std::to_string(kind));
 }

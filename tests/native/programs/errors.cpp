@@ -1,5 +1,6 @@
 // Refusals a CANN program meets, each printed as "<case> <status> <aclGetRecentErrMsg()>".
 #include <cstdio>
+#include <cstring>
 #include <vector>
 
 #include "acl/acl.h"
@@ -74,6 +75,19 @@ int main()
     report("set_destroyed_context", aclrtSetCurrentContext(made));
     report("create_context_null", aclrtCreateContext(nullptr, 0));
     report("create_context_device_1", aclrtCreateContext(&unused, 1));
+    // ACL_MEMCPY_DEFAULT: the direction from the addresses, a freed allocation's refused.
+    void *fresh = nullptr;
+    aclrtMalloc(&fresh, 64, ACL_MEM_MALLOC_HUGE_FIRST);
+    float in[4] = {1, 2, 3, 4}, out[4] = {0};
+    char *f = static_cast<char *>(fresh);
+    report("memcpy_default_to_device", aclrtMemcpy(f, 16, in, 16, ACL_MEMCPY_DEFAULT));
+    report("memcpy_default_on_device", aclrtMemcpy(f + 16, 16, f, 16, ACL_MEMCPY_DEFAULT));
+    report("memcpy_default_to_host", aclrtMemcpy(out, 16, f + 16, 16, ACL_MEMCPY_DEFAULT));
+    report("memcpy_default_round_trip", std::memcmp(in, out, sizeof in) ? 1 : 0);
+    report("memcpy_buf_to_device", aclrtMemcpy(f, 16, in, 16, ACL_MEMCPY_HOST_TO_BUF_TO_DEVICE));
+    aclrtFree(fresh);
+    report("memcpy_default_freed", aclrtMemcpy(out, 16, f, 16, ACL_MEMCPY_DEFAULT));
+    report("memcpy_kind_8", aclrtMemcpy(out, 16, in, 16, static_cast<aclrtMemcpyKind>(8)));
     aclrtRunMode mode = ACL_DEVICE;
     report("run_mode", aclrtGetRunMode(&mode));
     report("run_mode_is_host", mode == ACL_HOST ? 0 : 1);
