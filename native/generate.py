@@ -88,7 +88,7 @@ def header(op: str, params: tuple[ParamSpec, ...]) -> str:
 
 
 def alias(op: str, name: str) -> str:
-    """CANN's header name for `op`'s header."""
+    """The header named `name` (CANN's name for `op`'s), which includes ours."""
     guard = f"OP_API_INC_{name.removesuffix('.h').removeprefix('aclnn_').upper()}_H_"
     return (
         f"{HEADER}/* CANN's name for aclnn_{snake_name(op)}.h. */\n"
