@@ -49,7 +49,6 @@ def test_the_table_has_each_path_and_tcp_against_tcp(transport):
 
 
 def test_the_plot_is_written_where_asked(transport, tmp_path, monkeypatch):
-    pytest.importorskip("matplotlib")  # the bench extra's; the plot is optional in the benchmark too
     monkeypatch.chdir(tmp_path)
     target = tmp_path / "plots" / "sweep.png"
     target.parent.mkdir()
