@@ -307,9 +307,24 @@ def test_chain_on_the_npu_backend(native_prefix, compiled, npu_address, fake, tm
     assert fake.calls("aclnnLayerNorm") == launched + 3 * streams
 
 
-def check_chain(native_prefix: Path, compiled, address: str, tmp_path: Path, dtype, streams: int) -> None:
+def test_chain_issued_from_threads(native_prefix, compiled, server_address, tmp_path):
+    """Four threads of one program, each issuing its own stream's chain of eight steps at once: the
+    library's connection, device addresses, executors and error messages are shared safely."""
+    check_chain(native_prefix, compiled, server_address, tmp_path, np.float32, 4, iterations=8, threads=True)
+
+
+def check_chain(
+    native_prefix: Path,
+    compiled,
+    address: str,
+    tmp_path: Path,
+    dtype,
+    streams: int,
+    iterations: int = 3,
+    threads: bool = False,
+) -> None:
     rng = np.random.default_rng(7)
-    rows, cols, iterations = 6, 40, 3
+    rows, cols = 6, 40
     x = rng.uniform(-2, 2, (rows, cols)).astype(dtype)
     dy = rng.uniform(-2, 2, (rows, cols)).astype(dtype)
     (tmp_path / "shape").write_text(f"{rows} {cols}")
@@ -317,7 +332,8 @@ def check_chain(native_prefix: Path, compiled, address: str, tmp_path: Path, dty
     dy.tofile(tmp_path / "dy.bin")
     code = {np.dtype(np.float32): 0, np.dtype(np.float16): 1, BF16: 27}[np.dtype(dtype)]
     exe = compiled(PROGRAMS / "chain.cpp")
-    run_program(native_prefix, exe, address, str(tmp_path), str(code), str(streams), str(iterations))
+    args = [str(tmp_path), str(code), str(streams), str(iterations), *(["threads"] if threads else [])]
+    run_program(native_prefix, exe, address, *args)
     reference = layer_norm_chain(x, dy, iterations)
     n = rows * cols
     for s in range(streams):

@@ -1,16 +1,19 @@
 // A chain of LayerNorm forward + backward calls on device memory, on one or several streams.
 //
-//   chain DIR DTYPE STREAMS ITERATIONS
+//   chain DIR DTYPE STREAMS ITERATIONS [threads]
 //
 // Reads DIR/shape (rows cols), DIR/x.bin and DIR/dy.bin (rows*cols elements of DTYPE: 0 float,
 // 1 float16, 27 bfloat16). Everything lives in ONE aclrtMalloc allocation, each tensor at a pointer
 // offset into it. Stream s runs ITERATIONS steps of: y, mean, rstd = LayerNorm(x); dx, dw, db =
 // LayerNormBackward(dy, x, mean, rstd); x = y (the next step reads this step's output, so the
 // stream's order matters). Stream 1 reads x through a transposed storage (strided aclCreateTensor
-// views), stream 0 contiguously. Writes DIR/out<s>.bin: y, dx (DTYPE), dw, db (float).
+// views), stream 0 contiguously. With `threads`, each stream's steps are issued by a thread of its
+// own, all at once. Writes DIR/out<s>.bin: y, dx (DTYPE), dw, db (float).
+#include <atomic>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <thread>
 #include <vector>
 
 #include "acl/acl.h"
@@ -26,7 +29,8 @@ static std::vector<char> read_file(const std::string &path)
 
 int main(int argc, char **argv)
 {
-    if (argc != 5) return 2;
+    if (argc != 5 && !(argc == 6 && std::string(argv[5]) == "threads")) return 2;
+    bool threaded = argc == 6;
     std::string dir = argv[1];
     auto dtype = static_cast<aclDataType>(std::atoi(argv[2]));
     int streams = std::atoi(argv[3]), iterations = std::atoi(argv[4]);
@@ -73,34 +77,47 @@ int main(int argc, char **argv)
     bool mask_data[3] = {true, true, true};
     aclIntArray *norm = aclCreateIntArray(norm_dims, 1);
     aclBoolArray *mask = aclCreateBoolArray(mask_data, 3);
-    for (int i = 0; i < iterations; i++) {
-        for (int s = 0; s < streams; s++) {
-            Slots &t = slots[s];
-            bool strided = s == 1 && i == 0;  // afterwards x is the previous step's y, contiguous
-            char *input = i == 0 ? t.x : t.y[(i + 1) % 2], *out = t.y[i % 2];
-            aclTensor *x_t = strided ? aclCreateTensor(shape.data(), 2, dtype, transposed.data(), 0, ACL_FORMAT_ND,
-                                                       storage_t.data(), 2, input)
-                                     : aclCreateTensor(shape.data(), 2, dtype, contiguous.data(), 0, ACL_FORMAT_ND,
-                                                       shape.data(), 2, input);
-            aclTensor *y_t = aclCreateTensor(shape.data(), 2, dtype, contiguous.data(), 0, ACL_FORMAT_ND, shape.data(), 2, out);
-            aclTensor *mean_t = aclCreateTensor(stats.data(), 2, ACL_FLOAT, stats_strides.data(), 0, ACL_FORMAT_ND, stats.data(), 2, t.mean);
-            aclTensor *rstd_t = aclCreateTensor(stats.data(), 2, ACL_FLOAT, stats_strides.data(), 0, ACL_FORMAT_ND, stats.data(), 2, t.rstd);
-            aclTensor *w_t = aclCreateTensor(vec.data(), 1, ACL_FLOAT, unit.data(), 0, ACL_FORMAT_ND, vec.data(), 1, t.w);
-            aclTensor *b_t = aclCreateTensor(vec.data(), 1, ACL_FLOAT, unit.data(), 0, ACL_FORMAT_ND, vec.data(), 1, t.b);
-            uint64_t workspace = 0;
-            aclOpExecutor *executor = nullptr;
-            CHECK(aclnnLayerNormGetWorkspaceSize(x_t, norm, w_t, b_t, 1e-5, y_t, mean_t, rstd_t, &workspace, &executor));
-            CHECK(aclnnLayerNorm(nullptr, workspace, executor, handles[s]));
-            aclTensor *dy_t = aclCreateTensor(shape.data(), 2, dtype, contiguous.data(), 0, ACL_FORMAT_ND, shape.data(), 2, t.dy);
-            aclTensor *dx_t = aclCreateTensor(shape.data(), 2, dtype, contiguous.data(), 0, ACL_FORMAT_ND, shape.data(), 2, t.dx);
-            aclTensor *dw_t = aclCreateTensor(vec.data(), 1, ACL_FLOAT, unit.data(), 0, ACL_FORMAT_ND, vec.data(), 1, t.dw);
-            aclTensor *db_t = aclCreateTensor(vec.data(), 1, ACL_FLOAT, unit.data(), 0, ACL_FORMAT_ND, vec.data(), 1, t.db);
-            CHECK(aclnnLayerNormBackwardGetWorkspaceSize(dy_t, x_t, norm, mean_t, rstd_t, w_t, b_t, mask, dx_t, dw_t, db_t,
-                                                         &workspace, &executor));
-            CHECK(aclnnLayerNormBackward(nullptr, workspace, executor, handles[s]));
-            // Destroyed right after queueing: the queued calls keep what they need.
-            for (aclTensor *tensor : {x_t, y_t, mean_t, rstd_t, w_t, b_t, dy_t, dx_t, dw_t, db_t}) aclDestroyTensor(tensor);
-        }
+    // One step of stream s: LayerNorm then its backward, queued; 0, or 1 after printing what failed.
+    auto step = [&](int s, int i) -> int {
+        Slots &t = slots[s];
+        bool strided = s == 1 && i == 0;  // afterwards x is the previous step's y, contiguous
+        char *input = i == 0 ? t.x : t.y[(i + 1) % 2], *out = t.y[i % 2];
+        aclTensor *x_t = strided ? aclCreateTensor(shape.data(), 2, dtype, transposed.data(), 0, ACL_FORMAT_ND,
+                                                   storage_t.data(), 2, input)
+                                 : aclCreateTensor(shape.data(), 2, dtype, contiguous.data(), 0, ACL_FORMAT_ND,
+                                                   shape.data(), 2, input);
+        aclTensor *y_t = aclCreateTensor(shape.data(), 2, dtype, contiguous.data(), 0, ACL_FORMAT_ND, shape.data(), 2, out);
+        aclTensor *mean_t = aclCreateTensor(stats.data(), 2, ACL_FLOAT, stats_strides.data(), 0, ACL_FORMAT_ND, stats.data(), 2, t.mean);
+        aclTensor *rstd_t = aclCreateTensor(stats.data(), 2, ACL_FLOAT, stats_strides.data(), 0, ACL_FORMAT_ND, stats.data(), 2, t.rstd);
+        aclTensor *w_t = aclCreateTensor(vec.data(), 1, ACL_FLOAT, unit.data(), 0, ACL_FORMAT_ND, vec.data(), 1, t.w);
+        aclTensor *b_t = aclCreateTensor(vec.data(), 1, ACL_FLOAT, unit.data(), 0, ACL_FORMAT_ND, vec.data(), 1, t.b);
+        uint64_t workspace = 0;
+        aclOpExecutor *executor = nullptr;
+        CHECK(aclnnLayerNormGetWorkspaceSize(x_t, norm, w_t, b_t, 1e-5, y_t, mean_t, rstd_t, &workspace, &executor));
+        CHECK(aclnnLayerNorm(nullptr, workspace, executor, handles[s]));
+        aclTensor *dy_t = aclCreateTensor(shape.data(), 2, dtype, contiguous.data(), 0, ACL_FORMAT_ND, shape.data(), 2, t.dy);
+        aclTensor *dx_t = aclCreateTensor(shape.data(), 2, dtype, contiguous.data(), 0, ACL_FORMAT_ND, shape.data(), 2, t.dx);
+        aclTensor *dw_t = aclCreateTensor(vec.data(), 1, ACL_FLOAT, unit.data(), 0, ACL_FORMAT_ND, vec.data(), 1, t.dw);
+        aclTensor *db_t = aclCreateTensor(vec.data(), 1, ACL_FLOAT, unit.data(), 0, ACL_FORMAT_ND, vec.data(), 1, t.db);
+        CHECK(aclnnLayerNormBackwardGetWorkspaceSize(dy_t, x_t, norm, mean_t, rstd_t, w_t, b_t, mask, dx_t, dw_t, db_t,
+                                                     &workspace, &executor));
+        CHECK(aclnnLayerNormBackward(nullptr, workspace, executor, handles[s]));
+        // Destroyed right after queueing: the queued calls keep what they need.
+        for (aclTensor *tensor : {x_t, y_t, mean_t, rstd_t, w_t, b_t, dy_t, dx_t, dw_t, db_t}) aclDestroyTensor(tensor);
+        return 0;
+    };
+    if (threaded) {
+        std::atomic<int> failed{0};
+        std::vector<std::thread> issuers;
+        for (int s = 0; s < streams; s++)
+            issuers.emplace_back([&, s] {
+                for (int i = 0; i < iterations && !failed; i++) failed += step(s, i);
+            });
+        for (auto &issuer : issuers) issuer.join();
+        if (failed) return 1;
+    } else {
+        for (int i = 0; i < iterations; i++)
+            for (int s = 0; s < streams; s++) CHECK(step(s, i));
     }
     for (int s = 0; s < streams; s++) {
         CHECK(aclrtSynchronizeStream(handles[s]));
