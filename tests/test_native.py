@@ -274,6 +274,30 @@ def test_errors_return_the_servers_status_and_message(native_prefix, compiled, s
     assert {name: cases[name][0] for name in cann} == cann
 
 
+def test_argument_objects_read_back(native_prefix, compiled, tmp_path):
+    """CANN's getters return what aclCreateTensor and the array constructors were given (the dims and
+    strides as arrays the caller deletes), and refuse null arguments with 161001."""
+    exe = compiled(PROGRAMS / "describe.cpp")
+    env = {**os.environ, "LD_LIBRARY_PATH": str(native_prefix / "lib64")}
+    done = subprocess.run([str(exe)], env=env, capture_output=True, text=True, timeout=60, check=True)
+    lines = dict(line.split(" ", 1) for line in done.stdout.splitlines())
+    assert lines == {
+        "view": "2 3 4",
+        "strides": "1 2 6",
+        "storage": "30",
+        "offset": "5",
+        "format": "47",  # ACL_FORMAT_NCL
+        "dtype": "1",  # ACL_FLOAT16
+        "array_sizes": "4 2 3",
+        "scalar": "1",
+        "scalar_of_no_value": "0",
+        "scalar_of_a_string": "0",
+        "null_tensor": "161001",
+        "null_out": "161001",
+        "null_array": "161001",
+    }
+
+
 def layer_norm_chain(x: np.ndarray, dy: np.ndarray, iterations: int) -> list[np.ndarray]:
     """The float64 oracle of chain.cpp: each step's y rounded to x's dtype, as stored, feeds the next."""
     dtype, cols = x.dtype, x.shape[1]

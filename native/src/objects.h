@@ -15,6 +15,11 @@ struct aclTensor {
     void *data = nullptr;  // device memory (a pointer into an aclrtMalloc allocation), or null
 };
 
+struct aclScalar {
+    aclDataType data_type = ACL_FLOAT;
+    std::vector<unsigned char> bytes;  // the value, as given
+};
+
 struct aclIntArray {
     std::vector<int64_t> values;
 };
