@@ -248,7 +248,16 @@ def test_errors_return_the_servers_status_and_message(native_prefix, compiled, s
     for ok in ("ok", "launch", "synchronize", "free_null", "free"):
         assert cases[ok] == (0, ""), ok
     assert cases["launch_null_executor"][0] == 161001
+    for used_up in ("launch_consumed_executor", "repeatable_consumed_executor", "destroy_consumed_executor"):
+        assert cases[used_up][0] == 161002 and cases[used_up][1].startswith("executor: not a live executor"), used_up
+    assert cases["launch_on_destroyed_stream"][0] == 161002 and cases["launch_on_destroyed_stream"][1].startswith(
+        "stream"
+    )
+    for ok in ("destroy_stream", "ok_again", "launch_after_refusal"):  # a refused launch leaves the executor usable
+        assert cases[ok] == (0, ""), ok
     invalid = 100000  # ACL_ERROR_INVALID_PARAM: nothing was sent, nothing was dereferenced
+    for refused in ("destroy_stream_again", "synchronize_destroyed_stream"):
+        assert cases[refused][0] == invalid and "not a live stream" in cases[refused][1], refused
     for refused in ("memcpy_host_as_device", "memcpy_device_as_host", "memcpy_past_end", "memcpy_count_over_destMax"):
         assert cases[refused][0] == invalid, refused
     assert cases["free_inside"][0] == cases["use_after_free"][0] == cases["malloc_zero"][0] == invalid

@@ -1,11 +1,40 @@
 // libopapi: the operators' two phases over the server's GetWorkspaceSize and Execute.
 #include "ops.h"
 
+#include <mutex>
 #include <new>
+#include <set>
 
 #include "objects.h"
 
 namespace aclnn_remote {
+namespace {
+
+// The executors planned and not yet consumed or destroyed: a handle used after its single launch, or
+// destroyed twice, is refused rather than read after it was freed.
+std::mutex executors_lock;
+std::set<aclOpExecutor *> live_executors;
+
+bool live(aclOpExecutor *executor)
+{
+    std::lock_guard<std::mutex> hold(executors_lock);
+    return live_executors.count(executor) != 0;
+}
+
+// Forgets and frees an executor; false when it was not live (another thread consumed it first).
+bool retire(aclOpExecutor *executor)
+{
+    {
+        std::lock_guard<std::mutex> hold(executors_lock);
+        if (!live_executors.erase(executor)) return false;
+    }
+    delete executor;
+    return true;
+}
+
+const char *const kNotLive = "executor: not a live executor (a single-use one is consumed by its launch)";
+
+}  // namespace
 
 OpCall::OpCall(const char *op) { call_.set_op(op); }
 
@@ -69,6 +98,10 @@ aclnnStatus OpCall::plan(uint64_t *workspaceSize, aclOpExecutor **executor)
     if (!planned) return fail(ACLNN_ERR_INNER, "out of host memory");
     planned->op = call_.op();
     planned->id = reply.executor();
+    {
+        std::lock_guard<std::mutex> hold(executors_lock);
+        live_executors.insert(planned);
+    }
     *workspaceSize = 0;
     *executor = planned;
     return ACLNN_SUCCESS;
@@ -77,12 +110,15 @@ aclnnStatus OpCall::plan(uint64_t *workspaceSize, aclOpExecutor **executor)
 aclnnStatus launch(const char *op, aclOpExecutor *executor, aclrtStream stream)
 {
     if (!executor) return fail(ACLNN_ERR_PARAM_NULLPTR, "executor: is null");
+    if (!live(executor)) return fail(ACLNN_ERR_PARAM_INVALID, kNotLive);
     if (executor->op != op) return fail(ACLNN_ERR_PARAM_INVALID, "executor: was planned for " + executor->op);
+    int64_t on = stream_id(stream);
+    if (on < 0) return fail(ACLNN_ERR_PARAM_INVALID, "stream: not a live stream (from aclrtCreateStream)");
     aclnn::v1::ExecuteRequest request;
     request.set_executor(executor->id);
     aclnn::v1::ExecuteResponse reply;
-    grpc::Status status = stub().Execute(context(stream_id(stream)).get(), request, &reply);
-    if (!executor->repeatable) delete executor;  // single use: the launch consumed it
+    grpc::Status status = stub().Execute(context(on).get(), request, &reply);
+    if (!executor->repeatable) retire(executor);  // single use: the launch consumed it
     return status.ok() ? ACLNN_SUCCESS : rpc_failure(status);
 }
 
@@ -94,6 +130,7 @@ aclnnStatus aclSetAclOpExecutorRepeatable(aclOpExecutor *executor)
 {
     using namespace aclnn_remote;
     if (!executor) return fail(ACLNN_ERR_PARAM_NULLPTR, "executor: is null");
+    if (!live(executor)) return fail(ACLNN_ERR_PARAM_INVALID, kNotLive);
     aclnn::v1::ExecutorRef request;
     request.set_executor(executor->id);
     aclnn::v1::Empty reply;
@@ -107,11 +144,12 @@ aclnnStatus aclDestroyAclOpExecutor(aclOpExecutor *executor)
 {
     using namespace aclnn_remote;
     if (!executor) return fail(ACLNN_ERR_PARAM_NULLPTR, "executor: is null");
+    if (!live(executor)) return fail(ACLNN_ERR_PARAM_INVALID, kNotLive);
     aclnn::v1::ExecutorRef request;
     request.set_executor(executor->id);
     aclnn::v1::Empty reply;
     grpc::Status status = stub().DestroyExecutor(context().get(), request, &reply);
-    delete executor;
+    retire(executor);
     return status.ok() ? ACLNN_SUCCESS : rpc_failure(status);
 }
 

@@ -24,7 +24,8 @@ aclnn::v1::Aclnn::Stub &stub();
 // A context carrying the session, the token and (>= 0) the stream.
 std::unique_ptr<grpc::ClientContext> context(int64_t stream = -1);
 
-// The client stream id of an aclrtStream (0 for the default stream, null).
+// The client stream id of an aclrtStream: 0 for the default stream (null), -1 for a handle that is not
+// a live stream (destroyed, or never made by aclrtCreateStream).
 int64_t stream_id(void *stream);
 
 // Resolves a pointer into device memory; false when it is not inside a live allocation.

@@ -222,6 +222,9 @@ struct Stream {
     int64_t id;
 };
 std::atomic<int64_t> next_stream{1};
+// The streams created and not yet destroyed: a destroyed handle is refused rather than read after free.
+std::mutex streams_lock;
+std::set<Stream *> live_streams;
 std::atomic<int> initialized{0};
 
 // Contexts: handles on the one device, each thread's current one. They hold nothing of their own:
@@ -348,6 +351,11 @@ aclrtMemcpyKind direction(aclrtMemcpyKind kind, const void *dst, const void *src
     }
 }
 
+aclError not_a_stream(const char *function)
+{
+    return fail(ACL_ERROR_INVALID_PARAM, std::string(function) + ": not a live stream (from aclrtCreateStream)");
+}
+
 }  // namespace
 
 aclnn::v1::Aclnn::Stub &stub() { return *connection().stub; }
@@ -362,7 +370,12 @@ std::unique_ptr<grpc::ClientContext> context(int64_t stream)
     return ctx;
 }
 
-int64_t stream_id(void *stream) { return stream ? static_cast<Stream *>(stream)->id : 0; }
+int64_t stream_id(void *stream)
+{
+    if (!stream) return 0;  // the default stream
+    std::lock_guard<std::mutex> hold(streams_lock);
+    return live_streams.count(static_cast<Stream *>(stream)) ? static_cast<Stream *>(stream)->id : -1;
+}
 
 bool resolve(const void *ptr, DeviceRef *ref) { return address_space().resolve(ptr, ref); }
 
@@ -501,19 +514,34 @@ aclError aclrtSynchronizeDevice(void) { return synchronize(-1); }
 aclError aclrtCreateStream(aclrtStream *stream)
 {
     if (!stream) return fail(ACL_ERROR_INVALID_PARAM, "aclrtCreateStream: stream is null");
-    *stream = new Stream{next_stream++};
+    auto *created = new Stream{next_stream++};
+    {
+        std::lock_guard<std::mutex> hold(streams_lock);
+        live_streams.insert(created);
+    }
+    *stream = created;
     return ACL_SUCCESS;
 }
 
 aclError aclrtDestroyStream(aclrtStream stream)
 {
     if (!stream) return fail(ACL_ERROR_INVALID_PARAM, "aclrtDestroyStream: stream is null");
-    aclError code = synchronize(stream_id(stream));  // its queued calls finish first, as on the device
+    int64_t id = stream_id(stream);
+    if (id < 0) return not_a_stream("aclrtDestroyStream");
+    aclError code = synchronize(id);  // its queued calls finish first, as on the device
+    {
+        std::lock_guard<std::mutex> hold(streams_lock);
+        if (!live_streams.erase(static_cast<Stream *>(stream))) return code;  // destroyed meanwhile by another thread
+    }
     delete static_cast<Stream *>(stream);
     return code;
 }
 
-aclError aclrtSynchronizeStream(aclrtStream stream) { return synchronize(stream_id(stream)); }
+aclError aclrtSynchronizeStream(aclrtStream stream)
+{
+    int64_t id = stream_id(stream);
+    return id < 0 ? not_a_stream("aclrtSynchronizeStream") : synchronize(id);
+}
 
 aclError aclrtMalloc(void **devPtr, size_t size, aclrtMemMallocPolicy)
 {
@@ -608,7 +636,9 @@ aclError aclrtMemcpy(void *dst, size_t destMax, const void *src, size_t count, a
 aclError aclrtMemcpyAsync(void *dst, size_t destMax, const void *src, size_t count, aclrtMemcpyKind kind,
                           aclrtStream stream)
 {
-    aclError code = synchronize(stream_id(stream));
+    int64_t id = stream_id(stream);
+    if (id < 0) return not_a_stream("aclrtMemcpyAsync");
+    aclError code = synchronize(id);
     return code ? code : aclrtMemcpy(dst, destMax, src, count, kind);
 }
 
@@ -631,7 +661,9 @@ aclError aclrtMemset(void *devPtr, size_t maxCount, int32_t value, size_t count)
 
 aclError aclrtMemsetAsync(void *devPtr, size_t maxCount, int32_t value, size_t count, aclrtStream stream)
 {
-    aclError code = synchronize(stream_id(stream));
+    int64_t id = stream_id(stream);
+    if (id < 0) return not_a_stream("aclrtMemsetAsync");
+    aclError code = synchronize(id);
     return code ? code : aclrtMemset(devPtr, maxCount, value, count);
 }
 

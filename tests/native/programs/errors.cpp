@@ -51,6 +51,19 @@ int main()
     report("launch", aclnnLayerNormBackward(nullptr, workspace, executor, stream));
     report("synchronize", aclrtSynchronizeStream(stream));
     report("launch_null_executor", aclnnLayerNormBackward(nullptr, 0, nullptr, stream));
+    // Handles used after their end: refused, never read after they were freed.
+    report("launch_consumed_executor", aclnnLayerNormBackward(nullptr, workspace, executor, stream));
+    report("repeatable_consumed_executor", aclSetAclOpExecutorRepeatable(executor));
+    report("destroy_consumed_executor", aclDestroyAclOpExecutor(executor));
+    aclrtStream ended = nullptr;
+    aclrtCreateStream(&ended);
+    report("destroy_stream", aclrtDestroyStream(ended));
+    report("destroy_stream_again", aclrtDestroyStream(ended));
+    report("synchronize_destroyed_stream", aclrtSynchronizeStream(ended));
+    report("ok_again", aclnnLayerNormBackwardGetWorkspaceSize(dy, x, norm, mean, rstd, nullptr, nullptr, mask, dx, dw, db,
+                                                              &workspace, &executor));
+    report("launch_on_destroyed_stream", aclnnLayerNormBackward(nullptr, workspace, executor, ended));
+    report("launch_after_refusal", aclnnLayerNormBackward(nullptr, workspace, executor, stream));
     report("memcpy_host_as_device", aclrtMemcpy(host, sizeof host, host, sizeof host, ACL_MEMCPY_HOST_TO_DEVICE));
     report("memcpy_device_as_host", aclrtMemcpy(device, 32, d + 32, 32, ACL_MEMCPY_HOST_TO_DEVICE));
     report("memcpy_past_end", aclrtMemcpy(host, sizeof host, d + 250, sizeof host, ACL_MEMCPY_DEVICE_TO_HOST));
