@@ -243,3 +243,35 @@ def test_broken_calls_fail_alike_everywhere(clients, op):
             assert not isinstance(outcome, str) or outcome == "ok", f"{where}: {name} raised {outcome}"
             assert outcome == "ok" or outcome[0] != 561000, f"{where}: {name} failed inside the service"
         assert len(set(outcomes.values())) == 1, f"{where}: {outcomes}"
+
+
+def test_outputs_sharing_memory_are_written_in_parameter_order(clients):
+    """gradWeightOut and gradBiasOut overlapping in one array: every path writes gradWeight, then
+    gradBias over the shared part (README: Outputs), bit for bit as in process; an output that is
+    the input gradOut itself gets its result (computed apart from the inputs)."""
+    rng = np.random.default_rng(11)
+    x, g = rng.standard_normal((2, 6, 40), dtype=np.float32)
+    mean = x.mean(1, keepdims=True)
+    rstd = (1 / np.sqrt(x.var(1, keepdims=True) + 1e-5)).astype(np.float32)
+    written = {}
+    for name in ["in process, cpu", *TRANSPORTS]:
+        shared, grad = np.full(60, -7.25, np.float32), g.copy()
+        clients[name].run(
+            "aclnnLayerNormBackward",
+            gradOut=grad,
+            input=x,
+            normalizedShape=[40],
+            mean=mean,
+            rstd=rstd,
+            weightOptional=np.ones(40, np.float32),
+            outputMask=[True, True, True],
+            gradInputOut=grad,
+            gradWeightOut=shared[:40],
+            gradBiasOut=shared[20:],
+        )
+        written[name] = (shared.tobytes(), grad.tobytes())
+    assert len(set(written.values())) == 1, {name: hash(value) for name, value in written.items()}
+    shared = np.frombuffer(written["default"][0], np.float32)
+    np.testing.assert_allclose(shared[20:], g.sum(0), rtol=1e-5, atol=1e-5)  # gradBias, written last
+    x_hat = (x - mean) * rstd
+    np.testing.assert_allclose(shared[:20], (g * x_hat).sum(0)[:20], rtol=1e-4, atol=1e-4)  # gradWeight's head
