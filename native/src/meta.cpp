@@ -35,6 +35,14 @@ aclnnStatus copy_out(const std::vector<int64_t> &values, int64_t **out, uint64_t
     return ACLNN_SUCCESS;
 }
 
+template <typename Array>
+aclnnStatus array_size(const Array *array, uint64_t *size)
+{
+    if (!array || !size) return ACLNN_ERR_PARAM_NULLPTR;
+    *size = array->values.size();
+    return ACLNN_SUCCESS;
+}
+
 }  // namespace
 
 extern "C" {
@@ -144,26 +152,11 @@ aclnnStatus aclGetDataType(const aclTensor *tensor, aclDataType *dataType)
     return ACLNN_SUCCESS;
 }
 
-aclnnStatus aclGetIntArraySize(const aclIntArray *array, uint64_t *size)
-{
-    if (!array || !size) return ACLNN_ERR_PARAM_NULLPTR;
-    *size = array->values.size();
-    return ACLNN_SUCCESS;
-}
+aclnnStatus aclGetIntArraySize(const aclIntArray *array, uint64_t *size) { return array_size(array, size); }
 
-aclnnStatus aclGetFloatArraySize(const aclFloatArray *array, uint64_t *size)
-{
-    if (!array || !size) return ACLNN_ERR_PARAM_NULLPTR;
-    *size = array->values.size();
-    return ACLNN_SUCCESS;
-}
+aclnnStatus aclGetFloatArraySize(const aclFloatArray *array, uint64_t *size) { return array_size(array, size); }
 
-aclnnStatus aclGetBoolArraySize(const aclBoolArray *array, uint64_t *size)
-{
-    if (!array || !size) return ACLNN_ERR_PARAM_NULLPTR;
-    *size = array->values.size();
-    return ACLNN_SUCCESS;
-}
+aclnnStatus aclGetBoolArraySize(const aclBoolArray *array, uint64_t *size) { return array_size(array, size); }
 
 aclnnStatus aclDestroyTensor(const aclTensor *tensor)
 {
