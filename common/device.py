@@ -8,22 +8,21 @@ from typing import Any
 import numpy as np
 
 from .errors import invalid_error
+from .tensor import MAX_COUNT
 from .types import torch_array
-
-MAX_BUFFER_BYTES = 2**62  # the most one allocation holds (the largest count the service takes)
 
 
 def buffer_size(nbytes: int) -> int:
-    """A malloc's byte count: 1 to MAX_BUFFER_BYTES, else 161002 naming `size`. Every client checks it
+    """A malloc's byte count: 1 to MAX_COUNT, else 161002 naming `size`. Every client checks it
     (the wire's unsigned field cannot carry a negative one) and so does the server."""
-    if not 0 < nbytes <= MAX_BUFFER_BYTES:
+    if not 0 < nbytes <= MAX_COUNT:
         raise invalid_error("size", f"a device buffer holds 1 to 2^62 bytes, not {nbytes}")
     return nbytes
 
 
 def byte_count(nbytes: int) -> int:
-    """A transfer's or memset's byte count: 0 to MAX_BUFFER_BYTES, else 161002 naming `size`."""
-    if not 0 <= nbytes <= MAX_BUFFER_BYTES:
+    """A transfer's or memset's byte count: 0 to MAX_COUNT, else 161002 naming `size`."""
+    if not 0 <= nbytes <= MAX_COUNT:
         raise invalid_error("size", f"a byte count is 0 to 2^62, not {nbytes}")
     return nbytes
 

@@ -14,6 +14,10 @@ from numpy.lib.stride_tricks import as_strided
 
 from .types import Format, data_type_of
 
+# Element counts and byte lengths above this are refused (SPEC 1.4 rule 3): it keeps every byte offset
+# and stride within int64. A device buffer holds at most this many bytes.
+MAX_COUNT = 2**62
+
 
 @dataclass(frozen=True)
 class Tensor:

@@ -15,13 +15,10 @@ from typing import Any
 import numpy as np
 
 from aclnn_common.errors import invalid_error
-from aclnn_common.tensor import Tensor
+from aclnn_common.tensor import MAX_COUNT, Tensor
 from aclnn_common.types import DataType, Format, numpy_dtype
 
 MAX_RANK = 8
-# Element counts and byte lengths above this are rejected (SPEC 1.4 rule 3); it also
-# keeps every byte offset and stride within int64.
-MAX_COUNT = 2**62
 
 
 @dataclass(frozen=True)

@@ -1,35 +1,22 @@
 // libopapi: the operators' two phases over the server's GetWorkspaceSize and Execute.
 #include "ops.h"
 
-#include <mutex>
 #include <new>
-#include <set>
 
 #include "objects.h"
 
 namespace aclnn_remote {
 namespace {
 
-// The executors planned and not yet consumed or destroyed: a handle used after its single launch, or
-// destroyed twice, is refused rather than read after it was freed.
-std::mutex executors_lock;
-std::set<aclOpExecutor *> live_executors;
+// The executors planned and not yet consumed by their single launch or destroyed.
+Registry<> live_executors;
 
-bool live(aclOpExecutor *executor)
-{
-    std::lock_guard<std::mutex> hold(executors_lock);
-    return live_executors.count(executor) != 0;
-}
+bool live(aclOpExecutor *executor) { return live_executors.find(executor).has_value(); }
 
-// Forgets and frees an executor; false when it was not live (another thread consumed it first).
-bool retire(aclOpExecutor *executor)
+// Forgets and frees an executor, unless another thread ended it first.
+void retire(aclOpExecutor *executor)
 {
-    {
-        std::lock_guard<std::mutex> hold(executors_lock);
-        if (!live_executors.erase(executor)) return false;
-    }
-    delete executor;
-    return true;
+    if (live_executors.remove(executor)) delete executor;
 }
 
 const char *const kNotLive = "executor: not a live executor (a single-use one is consumed by its launch)";
@@ -98,10 +85,7 @@ aclnnStatus OpCall::plan(uint64_t *workspaceSize, aclOpExecutor **executor)
     if (!planned) return fail(ACLNN_ERR_INNER, "out of host memory");
     planned->op = call_.op();
     planned->id = reply.executor();
-    {
-        std::lock_guard<std::mutex> hold(executors_lock);
-        live_executors.insert(planned);
-    }
+    live_executors.add(planned);
     *workspaceSize = 0;
     *executor = planned;
     return ACLNN_SUCCESS;

@@ -4,12 +4,48 @@
 #include <grpcpp/grpcpp.h>
 
 #include <cstdint>
+#include <initializer_list>
+#include <map>
 #include <memory>
+#include <mutex>
+#include <optional>
 #include <string>
+#include <utility>
+#include <variant>
 
 #include "aclnn/v1/aclnn.grpc.pb.h"
 
 namespace aclnn_remote {
+
+// The handles of one kind a program holds (streams, contexts, executors): those made and not yet
+// ended, each with what the library keeps of it (if anything). A stale or foreign handle is refused rather than
+// read after it was freed; only the caller whose `remove` succeeds may free it.
+template <typename Value = std::monostate>
+class Registry {
+public:
+    Registry() = default;
+    Registry(std::initializer_list<std::pair<const void *const, Value>> initial) : live_(initial) {}
+    void add(const void *handle, Value value = {})
+    {
+        std::lock_guard<std::mutex> hold(lock_);
+        live_[handle] = value;
+    }
+    std::optional<Value> find(const void *handle) const
+    {
+        std::lock_guard<std::mutex> hold(lock_);
+        auto it = live_.find(handle);
+        return it == live_.end() ? std::nullopt : std::optional<Value>(it->second);
+    }
+    bool remove(const void *handle)
+    {
+        std::lock_guard<std::mutex> hold(lock_);
+        return live_.erase(handle) != 0;
+    }
+
+private:
+    mutable std::mutex lock_;
+    std::map<const void *, Value> live_;
+};
 
 // Where device memory lives on the server: a buffer id and a byte offset into it.
 struct DeviceRef {

@@ -16,7 +16,6 @@
 #include <map>
 #include <mutex>
 #include <random>
-#include <set>
 #include <sstream>
 #include <thread>
 
@@ -218,32 +217,21 @@ void keep_alive()
     });
 }
 
-struct Stream {
-    int64_t id;
-};
+struct Stream {};  // a handle's identity; its id is the registry's
 std::atomic<int64_t> next_stream{1};
-// The streams created and not yet destroyed: a destroyed handle is refused rather than read after free.
-std::mutex streams_lock;
-std::set<Stream *> live_streams;
+Registry<int64_t> live_streams;  // created and not yet destroyed, with their ids
 std::atomic<int> initialized{0};
 
 // Contexts: handles on the one device, each thread's current one. They hold nothing of their own:
 // streams and device memory belong to the process (its session on the server), which a program
 // correct on CANN, keeping each stream in its context, cannot tell apart.
-struct Context {
-    bool is_default;
-};
-Context default_context{true};
-std::mutex contexts_lock;
-std::set<Context *> contexts{&default_context};  // the live ones
+struct Context {};
+Context default_context;
+Registry<bool> contexts{{&default_context, true}};  // the live ones, and whether each is the default
 std::atomic<bool> device_set{false};
 thread_local Context *current_context = nullptr;
 
-bool live_context(Context *context)
-{
-    std::lock_guard<std::mutex> hold(contexts_lock);
-    return contexts.count(context) != 0;
-}
+bool live_context(Context *context) { return contexts.find(context).has_value(); }
 
 // A runtime (aclrt*) failure's aclError: the server refused the arguments, it is out of memory, or else.
 aclError runtime_failure(const grpc::Status &status)
@@ -373,8 +361,7 @@ std::unique_ptr<grpc::ClientContext> context(int64_t stream)
 int64_t stream_id(void *stream)
 {
     if (!stream) return 0;  // the default stream
-    std::lock_guard<std::mutex> hold(streams_lock);
-    return live_streams.count(static_cast<Stream *>(stream)) ? static_cast<Stream *>(stream)->id : -1;
+    return live_streams.find(stream).value_or(-1);
 }
 
 bool resolve(const void *ptr, DeviceRef *ref) { return address_space().resolve(ptr, ref); }
@@ -441,11 +428,8 @@ aclError aclrtCreateContext(aclrtContext *context, int32_t deviceId)
 {
     if (!context) return fail(ACL_ERROR_INVALID_PARAM, "aclrtCreateContext: context is null");
     if (deviceId != 0) return fail(ACL_ERROR_RT_INVALID_DEVICEID, "aclrtCreateContext: the server is device 0");
-    auto *created = new Context{false};
-    {
-        std::lock_guard<std::mutex> hold(contexts_lock);
-        contexts.insert(created);
-    }
+    auto *created = new Context;
+    contexts.add(created, false);
     device_set = true;
     current_context = created;  // a new context is the calling thread's current one
     *context = created;
@@ -455,12 +439,8 @@ aclError aclrtCreateContext(aclrtContext *context, int32_t deviceId)
 aclError aclrtDestroyContext(aclrtContext context)
 {
     auto *doomed = static_cast<Context *>(context);
-    {
-        std::lock_guard<std::mutex> hold(contexts_lock);
-        if (!contexts.count(doomed) || doomed->is_default)
-            return fail(ACL_ERROR_INVALID_PARAM, "aclrtDestroyContext: not a context from aclrtCreateContext");
-        contexts.erase(doomed);
-    }
+    if (contexts.find(doomed).value_or(true) || !contexts.remove(doomed))  // unknown, the default, or ended meanwhile
+        return fail(ACL_ERROR_INVALID_PARAM, "aclrtDestroyContext: not a context from aclrtCreateContext");
     if (current_context == doomed) current_context = nullptr;
     delete doomed;
     return ACL_SUCCESS;
@@ -514,11 +494,8 @@ aclError aclrtSynchronizeDevice(void) { return synchronize(-1); }
 aclError aclrtCreateStream(aclrtStream *stream)
 {
     if (!stream) return fail(ACL_ERROR_INVALID_PARAM, "aclrtCreateStream: stream is null");
-    auto *created = new Stream{next_stream++};
-    {
-        std::lock_guard<std::mutex> hold(streams_lock);
-        live_streams.insert(created);
-    }
+    auto *created = new Stream;
+    live_streams.add(created, next_stream++);
     *stream = created;
     return ACL_SUCCESS;
 }
@@ -529,11 +506,7 @@ aclError aclrtDestroyStream(aclrtStream stream)
     int64_t id = stream_id(stream);
     if (id < 0) return not_a_stream("aclrtDestroyStream");
     aclError code = synchronize(id);  // its queued calls finish first, as on the device
-    {
-        std::lock_guard<std::mutex> hold(streams_lock);
-        if (!live_streams.erase(static_cast<Stream *>(stream))) return code;  // destroyed meanwhile by another thread
-    }
-    delete static_cast<Stream *>(stream);
+    if (live_streams.remove(stream)) delete static_cast<Stream *>(stream);  // unless destroyed meanwhile elsewhere
     return code;
 }
 
