@@ -96,7 +96,12 @@ class BoundCall:
         or anything with shape, dtype and write_into(view) (a download that streams straight
         into the caller's memory).
         """
-        views = {name: _output_view(name, self.output_targets.get(name), r) for name, r in results.items()}
+        # In the order the call passed its outputs, whatever order the results came in (a reply's map
+        # has none): outputs sharing memory end as the last one passed wrote them, on every path.
+        order = [name for name in self.output_targets if name in results] + [
+            n for n in results if n not in self.output_targets
+        ]
+        views = {name: _output_view(name, self.output_targets.get(name), results[name]) for name in order}
         for name, view in views.items():
             result = results[name]
             if not isinstance(result, np.ndarray):
@@ -147,8 +152,10 @@ def bind(
     outputs = output_names - inout_names
     values = {name: to_value(name, arg, name not in outputs) for name, arg in params.items()}
     written = output_names | inout_names
-    targets = {
-        n: params[n] for n in written if isinstance(params.get(n), np.ndarray | Tensor) and not _on_device(values[n])
+    targets = {  # in the call's order (write_outputs keeps it)
+        n: arg
+        for n, arg in params.items()
+        if n in written and isinstance(arg, np.ndarray | Tensor) and not _on_device(values[n])
     }
     return BoundCall(op, values, targets, inout_names & targets.keys())
 
