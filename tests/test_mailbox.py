@@ -8,6 +8,7 @@ import fcntl
 import os
 import select
 import socket
+import threading
 
 import grpc
 import numpy as np
@@ -122,9 +123,17 @@ def test_large_calls_travel_in_a_mailbox_that_grows_and_goes_with_its_connection
         c.run(OP, **p)
         check(p)
         assert mailbox_fds(proc.pid) == [48 * MIB]
-        with concurrent.futures.ThreadPoolExecutor(4) as pool:  # a mailbox per pooled connection
-            calls = [layer_norm_call(rng, (16, 1024)) for _ in range(8)]
-            list(pool.map(lambda q: c.run(OP, **q), calls))
+        # A mailbox per pooled connection: four calls set off together (a call finished before the next
+        # thread took a connection would hand its connection on, and a fast machine did that to all 8).
+        calls = [layer_norm_call(rng, (16, 1024)) for _ in range(8)]
+        together = threading.Barrier(4)
+
+        def run_together(q: dict) -> None:
+            together.wait()
+            c.run(OP, **q)
+
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            list(pool.map(run_together, calls))
         for q in calls:
             check(q)
         assert 1 < len(mailbox_fds(proc.pid)) <= 4
