@@ -84,6 +84,15 @@ class HostMemory:
         return block
 
 
+def _memory_keeper(memory: DeviceMemory, block: Any) -> object | None:
+    """The object that keeps a block's host memory alive (every view of it refers to it: the NumPy
+    array at the base of its views, or the torch tensor under them), or None for memory on a device."""
+    keeper = memory.host_array(block)
+    while isinstance(keeper, np.ndarray) and keeper.base is not None:
+        keeper = keeper.base
+    return keeper
+
+
 @dataclass(eq=False)
 class Buffer:
     """One allocation. `uses` keeps its memory alive (calls queued or running on it, transfers);
@@ -94,7 +103,9 @@ class Buffer:
     session: str
     size: int
     block: Any
-    hold: Hold
+    # Released with the buffer's free, for device memory; None when the ledger's hold follows the
+    # memory itself (host memory, which a view in a reply still being sent keeps alive past the free).
+    hold: Hold | None
     uses: int = 0
     pending: int = 0
     freed: bool = False
@@ -165,7 +176,10 @@ class BufferStore:
         except BaseException:
             hold.release()
             raise
-        buffer = Buffer(secrets.token_hex(16), owner, session, nbytes, block, hold)
+        keeper = _memory_keeper(self.memory, block)
+        if keeper is not None:
+            hold.follow(keeper)
+        buffer = Buffer(secrets.token_hex(16), owner, session, nbytes, block, None if keeper is not None else hold)
         with self._cond:
             self._buffers[buffer.id] = buffer
             self._per_owner[owner] += 1
@@ -229,7 +243,8 @@ class BufferStore:
     def _release(self, buffer: Buffer) -> None:
         block, buffer.block = buffer.block, None
         if block is not None:
-            buffer.hold.release()
+            if buffer.hold is not None:
+                buffer.hold.release()
             self.memory.release(block)
         self._cond.notify_all()
 

@@ -10,11 +10,15 @@ import numpy as np
 import pytest
 import torch
 from oracle import assert_close
+from test_data_channel import connect, reply, request, ticket
+from test_transport import wait_for
 
 from aclnn_client import AclnnError, Client, DataType, Format, create_tensor
+from aclnn_client.data_channel import recv_exact
 from aclnn_common._proto import aclnn_pb2 as pb
 from aclnn_common._proto import aclnn_pb2_grpc as pb_grpc
 from aclnn_common.device import DeviceBuffer
+from aclnn_common.framing import READ_BUFFER, REPLY
 from aclnn_server import LocalClient
 
 # The tests that take any backend's `device_client`: the modules for the torch and NPU backends'
@@ -324,6 +328,35 @@ def test_buffers_are_counted_capped_and_end_with_the_session(serve):
         served.server.storage.reap()
         time.sleep(0.05)
     assert len(engine.buffers) == 0 and engine.ledger.held_by_kind().get("buffer", 0) == 0
+
+
+@pytest.mark.parametrize("backend", ["numpy", "torch"])
+def test_a_freed_buffer_stays_held_while_a_reply_still_sends_it(serve, backend):
+    """Freeing a buffer whose bytes a ReadBuffer reply is still sending (to a reader that stalls) ends
+    nothing in the ledger: the reply's view keeps the memory, so it stays its owner's until the last
+    byte went. Given back at the free, a tenant could hold many times its share this way."""
+    served = serve(backend=backend, memory_budget_bytes=64 << 20, max_tenant_bytes=32 << 20)  # 24 MiB stored
+    size = 20 << 20
+    session = (("x-aclnn-session", "s1"),)
+    with grpc.insecure_channel(served.address) as channel:
+        stub = pb_grpc.AclnnStub(channel)
+        buf = stub.MallocBuffer(pb.MallocRequest(size=size), metadata=session).buffer
+        stub.FillBuffer(pb.BufferFill(dst=pb.DeviceSlice(buffer=buf), size=size, value=0x41), metadata=session)
+        reader = connect(ticket(served.address, "s1"))
+        assert reply(reader) == (True, b"")
+        message = pb.BufferRange(buffer=buf, offset=0, size=size).SerializeToString()
+        reader.sendall(request(READ_BUFFER, len(message)) + message)
+        ok, length = REPLY.unpack(recv_exact(reader, REPLY.size))  # and nothing more, for now
+        assert ok and length == size
+        stub.FreeBuffer(pb.BufferRef(buffer=buf), metadata=session)
+        assert served.engine.ledger.held_by_kind().get("buffer", 0) >= size
+        with pytest.raises(grpc.RpcError) as err:
+            stub.MallocBuffer(pb.MallocRequest(size=size), metadata=session)
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert bytes(recv_exact(reader, size)) == b"\x41" * size
+        wait_for(lambda: served.engine.ledger.held_by_kind().get("buffer", 0) == 0)
+        stub.FreeBuffer(stub.MallocBuffer(pb.MallocRequest(size=size), metadata=session), metadata=session)
+        reader.close()
 
 
 def test_another_session_or_a_forged_id_is_not_a_buffer(server_address):

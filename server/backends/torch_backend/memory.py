@@ -29,6 +29,9 @@ class TorchBlock:
     """One buffer's memory, and the launches nobody waited for that use it."""
 
     tensor: Any
+    # On the cpu device: the tensor's memory as one NumPy array, which every host view of the block
+    # is a view of (so the buffer's hold in the ledger can follow it: server/buffers.py).
+    host: np.ndarray | None = None
     # the CUDA stream's handle -> the event recorded after its last launch over the block
     pending: dict[int, Any] = field(default_factory=dict)
 
@@ -49,10 +52,10 @@ class TorchMemory:
                     Status.INNER_CREATE_EXECUTOR, f"the torch device has no room for {nbytes} bytes", "size"
                 ) from exc
             self.streams.wait(stream)  # zeroed before any other stream reads it
-        return TorchBlock(tensor)
+        return TorchBlock(tensor, tensor.numpy() if self.device.type == "cpu" else None)
 
     def release(self, block: TorchBlock) -> None:
-        block.tensor, block.pending = None, {}  # torch's allocator waits for the streams that used it
+        block.tensor, block.host, block.pending = None, None, {}  # torch's allocator waits for the streams that used it
 
     def write(self, block: TorchBlock, offset: int, data: np.ndarray) -> None:
         with self.streams.running(None) as stream:
@@ -85,7 +88,7 @@ class TorchMemory:
 
     def host_array(self, block: TorchBlock) -> np.ndarray | None:
         """The cpu device's buffers are host memory; a CUDA device's are not."""
-        return block.tensor.numpy() if self.device.type == "cpu" else None
+        return block.host
 
     def launched(self, blocks: Iterable[TorchBlock], stream: Any) -> None:
         """A launch nobody waits for was queued on `stream` over these blocks."""
