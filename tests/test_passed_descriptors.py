@@ -143,6 +143,66 @@ def test_a_lingering_descriptor_in_a_registration_stalls_no_one(server_process):
         attacker.wait()
 
 
+def test_a_lingering_descriptor_queued_behind_a_registration_stalls_no_one(server_process):
+    """A registration's memfd followed at once by a second message carrying a lingering TCP socket, sent
+    while passing is allowed (races the attacker retries until it wins): the connection is closed for
+    its extra bytes, and the socket's queue, with the descriptor in it, goes on the attacker's broker
+    thread. Closed by a worker under the data channel's lock, it stalled every tenant for the linger."""
+    needs_root()
+    _proc, address = server_process
+    attacker = start_as_user(
+        NOBODY,
+        LINGERING
+        + textwrap.dedent(f"""
+        import fcntl
+        from aclnn_common.framing import MAGIC, REGION, REGISTER_REGION, REQUEST
+        from test_data_channel import reply, ticket
+        offer = ticket({address!r}, "mallory")
+        for attempt in range(100):
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.settimeout(10)
+            sock.connect(offer.unix_path)
+            sock.sendall(MAGIC + offer.ticket)
+            assert reply(sock)[0]
+            memfd = os.memfd_create("region", os.MFD_ALLOW_SEALING)
+            os.ftruncate(memfd, 4096)
+            fcntl.fcntl(memfd, fcntl.F_ADD_SEALS, {SEALS})
+            stuck, keep = lingering(10)
+            sock.sendall(REQUEST.pack(REGISTER_REGION, 0, 0, 0, REGION.size) + REGION.pack(4096))
+            assert reply(sock) == (True, b"")
+            socket.send_fds(sock, [b"\\0"], [memfd])
+            try:
+                socket.send_fds(sock, [b"\\0"], [stuck.fileno()])
+            except PermissionError:  # the server had turned passing off already: try again
+                stuck.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # no wait here
+                for s in (sock, stuck, *keep):
+                    s.close()
+                os.close(memfd)
+                continue
+            started = time.monotonic()
+            os.close(stuck.detach())
+            if time.monotonic() - started > 1:  # the server had closed its copy first: this close lingered
+                continue
+            print(attempt, flush=True)  # the server holds the socket's last reference
+            break
+        time.sleep(60)
+        """),
+    )
+    try:
+        attempts = attacker.stdout.readline()
+        assert attempts, "the second descriptor never got in while passing was allowed"
+        time.sleep(0.5)  # the server has closed the connection by now
+        started = time.monotonic()
+        p = layer_norm_call(np.random.default_rng(2), (64, 1024))
+        with Client(address, timeout=20) as c:  # another user's calls, on the data channel
+            c.run(OP, **p)
+        check(p)
+        assert time.monotonic() - started < 5.0
+    finally:
+        attacker.kill()
+        attacker.wait()
+
+
 def test_a_hugetlb_memfd_is_refused(serve):
     """Suspected: a hugetlb memfd, checked and mapped, then a hole punched in it, would SIGBUS the server."""
     try:

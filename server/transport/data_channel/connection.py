@@ -49,6 +49,9 @@ class Connection:
         # The peer can pass descriptors unasked (a Unix socket on a kernel without SO_PASSRIGHTS):
         # every read has room for them, and the socket is closed on the broker's thread.
         self.may_pass = may_pass
+        # Its queue may hold passed descriptors (it could pass them, if only for one registration): the
+        # socket's last close is then the broker's, never a worker's under the loop's lock.
+        self.passing_allowed = may_pass
         self.tls_pending = isinstance(sock, ssl.SSLSocket)
         self.admitted = False
         self.owner: str | None = None

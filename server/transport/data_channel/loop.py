@@ -477,7 +477,7 @@ class DataChannelServer:
             self._epoll.unregister(conn.fd)  # before close: the number may be reused at once
         except OSError:
             pass
-        if conn.may_pass:  # its queue may hold descriptors: the last close of each is the broker's
+        if conn.passing_allowed:  # its queue may hold descriptors: the last close of each is the broker's
             self._broker.close_later(conn.identity, fds or [], conn.sock)
         else:
             conn.sock.close()  # nothing passed can be queued on it: this close never waits for a peer

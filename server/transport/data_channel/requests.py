@@ -304,6 +304,7 @@ class Requests:
         if conn.unix:
             if not conn.may_pass:
                 allow_passing(conn.sock)  # for this one descriptor (receive_one turns it off again)
+                conn.passing_allowed = True  # what came meanwhile may stay queued, descriptors and all
             self.send(conn, REPLY.pack(1, 0))  # send it
             deadline = time.monotonic() + self.limits.handshake_timeout_s
             try:
