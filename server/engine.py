@@ -804,6 +804,11 @@ class Engine:
             self._workspaces.put(key, (backend, workspace_size))
         return workspace_size
 
+    def validate(self, op: str, values: Mapping[str, Value]) -> None:
+        """Raises what `run` would for these descriptors before it reads any storage (their data unused):
+        the operator, its parameter names, the error table."""
+        self._validate(op, values)
+
     @staticmethod
     def _validate(op: str, values: Mapping[str, Value]) -> tuple[Operator, Plan]:
         operator = OPERATORS.get(op)

@@ -13,6 +13,7 @@ import numpy as np
 from aclnn_common.api import BaseClient, Executor
 from aclnn_common.binding import BoundCall, array_layout, bind
 from aclnn_common.device import DeviceBuffer
+from aclnn_common.errors import AclnnError
 from aclnn_common.tensor import Tensor, Value
 
 from .buffers import ResidentStorage
@@ -74,7 +75,7 @@ class LocalClient(BaseClient):
         return frozenset(p.name for p in operator.signature.params if p.inout) if operator else frozenset()
 
     def _get_workspace_size(self, op: str, values: Mapping[str, Value]) -> tuple[int, str]:
-        return self.engine.get_workspace_size(op, self._resolved(values), self._call())
+        return self.engine.get_workspace_size(op, self._resolved(op, values), self._call())
 
     # In process, results are computed straight into the caller's arrays when they allow it
     # (BoundCall.destinations): no second full-size array, no copy.
@@ -89,7 +90,7 @@ class LocalClient(BaseClient):
     def _run_call(self, call: BoundCall, stream: int | None) -> bool:
         """Runs a bound call; whether it computed straight into every output."""
         destinations = call.destinations()
-        values = self._resolved(call.values)
+        values = self._resolved(call.op, call.values)
         results = self.engine.run(call.op, values, self._call(stream), destinations)[1]
         call.write_outputs(results)
         return bool(destinations) and all(result is destinations.get(name) for name, result in results.items())
@@ -137,13 +138,18 @@ class LocalClient(BaseClient):
     def _storage(self, buf: DeviceBuffer, name: str) -> ResidentStorage:
         return self.engine.buffers.slice(None, self._session, buf.id, buf.offset, name)
 
-    def _resolved(self, values: Mapping[str, Value]) -> dict[str, Value]:
-        """The values with device pointers resolved to this session's buffers (as the server's wire decoding does)."""
+    def _resolved(self, op: str, values: Mapping[str, Value]) -> dict[str, Value]:
+        """The values with device pointers resolved to this session's buffers (as the server's wire decoding
+        does, and in the same order: a pointer refused is reported after what the descriptors are refused for)."""
         resolved = dict(values)
-        for name, value in values.items():
-            if isinstance(value, Tensor) and isinstance(value.data, DeviceBuffer):
-                self._own(value.data, name)
-                resolved[name] = dataclasses.replace(value, data=self._storage(value.data, name))
+        try:
+            for name, value in values.items():
+                if isinstance(value, Tensor) and isinstance(value.data, DeviceBuffer):
+                    self._own(value.data, name)
+                    resolved[name] = dataclasses.replace(value, data=self._storage(value.data, name))
+        except AclnnError:
+            self.engine.validate(op, {n: v.without_data() if isinstance(v, Tensor) else v for n, v in values.items()})
+            raise
         return resolved
 
     def _call(self, stream: int | None = None) -> CallContext:

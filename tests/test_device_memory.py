@@ -163,6 +163,28 @@ def test_a_freed_buffer_is_named_by_the_parameter_using_it(device_client):
         assert (err.value.code, err.value.param) == (161002, param), str(err.value)
 
 
+def test_a_freed_buffer_is_reported_after_what_the_descriptors_are_refused_for(device_client):
+    """The documented order (design.md): the operator, its parameter names and the error table, then
+    storage. A call refused for both is refused for the first (it was the freed pointer, remotely)."""
+    buf = device_client.malloc(64)
+    device_client.free(buf)
+    x = on_device(buf, (2, 4))
+    base = dict(normalizedShape=[4], weightOptional=None, biasOptional=None, eps=1e-5)
+    base.update(out=np.zeros((2, 4), np.float32), meanOutOptional=None, rstdOutOptional=None)
+    calls = {
+        "op": ("aclnnLayerNorms", {**base, "input": x}, 161002),
+        "inputt": ("aclnnLayerNorm", {**base, "inputt": x}, 161002),
+        "out": ("aclnnLayerNorm", {**base, "input": x, "out": None}, 161001),
+        "weightOptional": ("aclnnLayerNorm", {**base, "input": x, "weightOptional": on_device(buf, (5,))}, 161002),
+    }
+    for param, (op, params, code) in calls.items():
+        before = {n: v.copy() for n, v in params.items() if isinstance(v, np.ndarray)}
+        with pytest.raises(AclnnError) as err:
+            device_client.run(op, **params)
+        assert (err.value.code, err.value.param) == (code, param), str(err.value)
+        assert all(np.array_equal(params[n], v) for n, v in before.items())
+
+
 def layer_norm_reference(x: np.ndarray, dy: np.ndarray, w: np.ndarray, b: np.ndarray):
     t = lambda a: torch.from_numpy(np.asarray(a, np.float64))  # noqa: E731
     y, mean, rstd = torch.ops.aten.native_layer_norm(t(x), [x.shape[1]], t(w), t(b), 1e-5)

@@ -230,7 +230,7 @@ class AclnnService:
     def GetWorkspaceSize(self, request: pb.OpCall, call: CallContext) -> pb.WorkspacePlan:
         self.storage.touch(call.session, call.owner, create=True)  # the executor lives in the session
         # The executor keeps its bytes: attached ones are copied out of the request (and held with it).
-        values = decode_call(request, lambda ref, name: self._stored(ref, call, name, kept=True))
+        values = self._values(request, call, kept=True)
         size, executor = self.engine.get_workspace_size(request.op, values, call)
         return pb.WorkspacePlan(workspace_size=size, executor=executor)
 
@@ -248,7 +248,7 @@ class AclnnService:
         if reply is not None:
             return reply
         self._take_reservation(request.reservation, call)
-        values = decode_call(request, lambda ref, name: self._stored(ref, call, name))
+        values = self._values(request, call)
         placed(request.placements, call)
         in_regions = self._run_regions(values, request.placements, call)
         size, outputs = self.engine.run(request.op, values, call, in_regions)
@@ -356,6 +356,16 @@ class AclnnService:
                 for name, op in sorted(self.engine.operators.items())
             ]
         )
+
+    def _values(self, request: pb.OpCall, call: CallContext, kept: bool = False) -> dict[str, Any]:
+        """The call's parameter values with their storage. A storage refused (a freed handle, a range
+        outside a region) is reported after what the call's descriptors alone are refused for: the
+        operator, its parameter names and the error table come first, as in process."""
+        try:
+            return decode_call(request, lambda ref, name: self._stored(ref, call, name, kept))
+        except AclnnError:
+            self.engine.validate(request.op, decode_call(request, lambda ref, name: None))
+            raise
 
     def _stored(
         self, ref: pb.StorageRef, call: CallContext, param: str, kept: bool = False
