@@ -180,11 +180,13 @@ def test_upload_over_budget_is_refused_before_any_byte(serve):
     "payload,code",
     [
         (b"\x07NoSuchMethod", grpc.StatusCode.UNIMPLEMENTED),
-        (b"\x0fListOperators", grpc.StatusCode.UNIMPLEMENTED),  # gRPC only
+        (b"\x0dListOperators", grpc.StatusCode.UNIMPLEMENTED),  # gRPC only
         (b"\x03Run\xff\xff\xff", grpc.StatusCode.INVALID_ARGUMENT),  # not a protobuf message
         (b"\x03Run" + pb.OpCall(op="aclnnNope").SerializeToString(), grpc.StatusCode.INVALID_ARGUMENT),
+        (b"\x09KeepAlive"[:-1], grpc.StatusCode.INVALID_ARGUMENT),  # a name running past the payload
+        (b"\xffKeepAlive", grpc.StatusCode.INVALID_ARGUMENT),
     ],
-    ids=["unknown-method", "grpc-only-method", "garbage-message", "unknown-op"],
+    ids=["unknown-method", "grpc-only-method", "garbage-message", "unknown-op", "name-past-end", "name-far-past-end"],
 )
 def test_bad_calls_are_answered_and_the_connection_survives(serve, payload, code):
     served = serve()

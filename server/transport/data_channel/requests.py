@@ -240,6 +240,8 @@ class Requests:
             return self.send(conn, REPLY.pack(1, buffer.nbytes), buffer)
         if kind == UNREGISTER_REGION:
             return self.send(conn, *ok(b""))
+        if length and 1 + payload[0] > length:
+            return self.fail(conn, status(code_pb2.INVALID_ARGUMENT, "the method's name runs past the request"))
         method = bytes(payload[1 : 1 + payload[0]]).decode(errors="replace") if length else ""
         if method not in METHODS:
             unknown = status(code_pb2.UNIMPLEMENTED, f"method {method!r:.60} is not on the data channel")
