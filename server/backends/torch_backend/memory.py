@@ -55,7 +55,8 @@ class TorchMemory:
         return TorchBlock(tensor, tensor.numpy() if self.device.type == "cpu" else None)
 
     def release(self, block: TorchBlock) -> None:
-        block.tensor, block.host, block.pending = None, None, {}  # torch's allocator waits for the streams that used it
+        # torch's allocator waits for the streams that used it
+        block.tensor, block.host, block.pending = None, None, {}
 
     def write(self, block: TorchBlock, offset: int, data: np.ndarray) -> None:
         with self.streams.running(None) as stream:
