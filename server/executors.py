@@ -100,7 +100,7 @@ class ExecutorStore:
             )
             self._per_owner[owner] += 1
             self._unexecuted[executor_id] = None
-            if session is not None:
+            if session:
                 self._by_session.setdefault((owner, session), set()).add(executor_id)
             return executor_id
 
@@ -125,7 +125,7 @@ class ExecutorStore:
                 self._end(executor_id, "was already executed (executors are single-use unless made repeatable)")
             else:
                 self._unexecuted.pop(executor_id, None)
-                if entry.session is None:
+                if not entry.session:
                     self._sessionless[executor_id] = None
                     self._sessionless.move_to_end(executor_id)
             entry.executed = True
@@ -161,7 +161,7 @@ class ExecutorStore:
             del self._per_owner[entry.owner]
         self._unexecuted.pop(executor_id, None)
         self._sessionless.pop(executor_id, None)
-        if entry.session is not None:
+        if entry.session:
             key = (entry.owner, entry.session)
             self._by_session[key].discard(executor_id)
             if not self._by_session[key]:

@@ -39,6 +39,7 @@ class Session:
     expires: float
     handles: dict[str, memoryview] = field(default_factory=dict)
     regions: dict[str, MappedRegion] = field(default_factory=dict)
+    ended: bool = False  # closed or lapsed: what a call still makes for it must end too (`ended`)
 
 
 class Storage:
@@ -134,6 +135,12 @@ class Storage:
         with self._locked():
             return self._session(session_id, owner, create)
 
+    def ended(self, session: Session) -> bool:
+        """Whether a session a call made or renewed (`touch`) has ended since: an object the call added
+        to a store after that was not among those its end ended."""
+        with self._locked():
+            return session.ended
+
     def end(self, session_id: str | None, owner: str | None) -> None:
         """Ends a session now (its client closed): as if its lease had lapsed."""
         ended = False
@@ -147,6 +154,7 @@ class Storage:
     def _drop(self, key: SessionKey) -> None:
         """Drops a session with the names of its handles and regions (their memory goes with its last view)."""
         session = self._sessions.pop(key)
+        session.ended = True
         session.handles.clear()  # a call that looked its session up still sees them go
         session.regions.clear()
         self._per_identity[key[0]] -= 1

@@ -160,7 +160,7 @@ class AclnnServicer(pb_grpc.AclnnServicer):
         remaining = context.time_remaining()
         call = CallContext(
             owner=self.identities.of(context),
-            session=metadata.get("x-aclnn-session"),
+            session=metadata.get("x-aclnn-session") or None,  # an empty id is no session, everywhere
             deadline=None if remaining is None else time.monotonic() + remaining,
             cancelled=lambda: not context.is_active(),
         )

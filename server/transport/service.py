@@ -7,6 +7,7 @@ mapping of every failure to a google.rpc.Status happen here, once for both.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import logging
@@ -228,10 +229,11 @@ class AclnnService:
     # Calls --------------------------------------------------------------------------------
 
     def GetWorkspaceSize(self, request: pb.OpCall, call: CallContext) -> pb.WorkspacePlan:
-        self.storage.touch(call.session, call.owner, create=True)  # the executor lives in the session
+        session = self.storage.touch(call.session, call.owner, create=True)  # the executor lives in the session
         # The executor keeps its bytes: attached ones are copied out of the request (and held with it).
         values = self._values(request, call, kept=True)
         size, executor = self.engine.get_workspace_size(request.op, values, call)
+        self._still_in(session, lambda: self.engine.destroy_executor(executor, call))
         return pb.WorkspacePlan(workspace_size=size, executor=executor)
 
     def Execute(self, request: pb.ExecuteRequest, call: CallContext) -> pb.ExecuteResponse:
@@ -311,7 +313,7 @@ class AclnnService:
 
     def ReserveCall(self, request: pb.CallReservation, call: CallContext) -> pb.Reservation:
         """Holds a Run's or an Execute's memory as one unit, before its bytes are sent (reservations.py)."""
-        self.storage.touch(call.session, call.owner, create=True)
+        session = self.storage.touch(call.session, call.owner, create=True)
         if request.HasField("run"):
             placed(request.run.placements, call)
             values = decode_call(request.run, lambda ref, name: None)  # descriptors are enough to plan
@@ -321,6 +323,7 @@ class AclnnService:
             call.executor = request.execute.executor
             holds, sizes = self.engine.reserve(call, request.uploads, in_place=request.in_place)
         reservation = self.engine.reservations.add(call.owner, call.session, holds, sizes)
+        self._still_in(session, lambda: self.engine.reservations.release(call.owner, call.session, reservation))
         return pb.Reservation(reservation=reservation, bytes=sum(hold.nbytes for hold in holds.values()))
 
     def ReleaseReservation(self, request: pb.Reservation, call: CallContext) -> pb.Empty:
@@ -356,6 +359,14 @@ class AclnnService:
                 for name, op in sorted(self.engine.operators.items())
             ]
         )
+
+    def _still_in(self, session: Session | None, end: Callable[[], None]) -> None:
+        """Refuses a call whose session ended (EndSession, or its lease lapsed) while it made something to
+        keep there, and `end`s that thing: the session's end ended only what existed by then."""
+        if session is not None and self.storage.ended(session):
+            with contextlib.suppress(AclnnError):  # ended already, if the session's end came after all
+                end()
+            raise invalid_error("session", "the session ended while this call ran: nothing was kept in it")
 
     def _values(self, request: pb.OpCall, call: CallContext, kept: bool = False) -> dict[str, Any]:
         """The call's parameter values with their storage. A storage refused (a freed handle, a range
@@ -558,8 +569,9 @@ class AclnnService:
     # Device memory ------------------------------------------------------------------------
 
     def MallocBuffer(self, request: pb.MallocRequest, call: CallContext) -> pb.BufferInfo:
-        self.storage.touch(call.session, call.owner, create=True)  # the buffer lives in the session
+        session = self.storage.touch(call.session, call.owner, create=True)  # the buffer lives in the session
         buffer = self.engine.malloc(request.size, call)
+        self._still_in(session, lambda: self.engine.free(buffer.id, call))
         return pb.BufferInfo(buffer=buffer.id, size=buffer.size)
 
     def FreeBuffer(self, request: pb.BufferRef, call: CallContext) -> pb.Empty:
