@@ -294,18 +294,17 @@ class Engine:
         operator, plan, workspace_size = self._plan(op, values, call)
         data: dict[str, Any] = {name: values[name].data for name in plan.inputs if values[name].data is not None}
         data.update(self._resident(plan, values))  # device storage of inputs and outputs, as CANN's executor keeps
-        # Bytes shipped with the plan live as long as the executor: they are its owner's to hold.
-        nbytes = sum(
-            memoryview(d).nbytes for d in data.values() if not isinstance(d, memoryview | np.ndarray | ResidentStorage)
+        # Bytes shipped with the plan (views of uploads, regions and device memory are held there) are its
+        # owner's to hold while they live: with the executor, and after its last execute for as long as
+        # that call still reads them (each part's hold follows its array).
+        shipped = {n: d for n, d in data.items() if not isinstance(d, memoryview | np.ndarray | ResidentStorage)}
+        hold = self.ledger.reserve(
+            call.owner, sum(memoryview(d).nbytes for d in shipped.values()), "executor", next(iter(data), "op")
         )
-        hold = self.ledger.reserve(call.owner, nbytes, "executor", next(iter(data), "op"))
-        try:
-            return workspace_size, self.executors.add(
-                operator, plan, workspace_size, data, call.owner, call.session, hold
-            )
-        except BaseException:
-            hold.release()
-            raise
+        for name, bytes_ in shipped.items():
+            data[name] = np.frombuffer(bytes_, np.uint8)
+            hold.split(data[name].nbytes, "executor").follow(data[name])
+        return workspace_size, self.executors.add(operator, plan, workspace_size, data, call.owner, call.session)
 
     def execute(
         self,

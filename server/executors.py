@@ -13,7 +13,6 @@ from typing import Any, TypeVar
 from aclnn_common.errors import Status, invalid_error
 
 from .errors import CapacityError
-from .ledger import Hold
 from .registry import Operator, Plan
 
 T = TypeVar("T")
@@ -24,11 +23,10 @@ class ExecutorEntry:
     operator: Operator
     plan: Plan
     workspace_size: int
-    data: dict[str, Any]  # input storage shipped with GetWorkspaceSize
+    data: dict[str, Any]  # input storage shipped with GetWorkspaceSize (its bytes' holds follow them)
     created: float
     owner: str | None = None  # the principal that created it; others cannot see it
     session: str | None = None  # the client session it ends with
-    hold: Hold | None = None  # the ledger's record of `data`
     repeatable: bool = False
     executed: bool = False
     last_used: float = 0.0
@@ -79,7 +77,6 @@ class ExecutorStore:
         data: dict[str, Any],
         owner: str | None = None,
         session: str | None = None,
-        hold: Hold | None = None,
     ) -> str:
         with self._lock:
             self._expire()
@@ -96,7 +93,7 @@ class ExecutorStore:
             executor_id = secrets.token_hex(16)
             now = self._clock()
             self._entries[executor_id] = ExecutorEntry(
-                operator, plan, workspace_size, data, now, owner, session, hold, last_used=now
+                operator, plan, workspace_size, data, now, owner, session, last_used=now
             )
             self._per_owner[owner] += 1
             self._unexecuted[executor_id] = None
@@ -166,8 +163,6 @@ class ExecutorStore:
             self._by_session[key].discard(executor_id)
             if not self._by_session[key]:
                 del self._by_session[key]
-        if entry.hold is not None:
-            entry.hold.release()
         self._ended[executor_id] = why
         while len(self._ended) > self._TOMBSTONES:
             self._ended.popitem(last=False)

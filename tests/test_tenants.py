@@ -185,6 +185,29 @@ def test_an_empty_session_id_is_no_session(serve, rng):
     assert sum(served.engine.ledger.held_by_kind().values()) == 0
 
 
+def test_a_single_use_executors_bytes_stay_held_while_its_execute_computes(serve, rng, monkeypatch):
+    """An executor's plan-shipped bytes are held until no call reads them: its single execute spends the
+    executor, not the bytes the compute runs on (red-team: 192 MiB computed on, held by nobody)."""
+    served = serve()
+    ledger, compute = served.engine.ledger, served.engine._compute
+    held_during_compute = []
+
+    def observed(*args, **kwargs):
+        held_during_compute.append(ledger.held_by_kind().get("executor", 0))
+        return compute(*args, **kwargs)
+
+    monkeypatch.setattr(served.engine, "_compute", observed)
+    p = layer_norm_call(rng, (512, 1024))  # 2 MiB per input tensor
+    with grpc.insecure_channel(served.address) as channel:
+        stub = pb_grpc.AclnnStub(channel)
+        executor = stub.GetWorkspaceSize(op_call(p), metadata=metadata()).executor
+        held = ledger.held_by_kind()["executor"]
+        assert held >= 4 * MiB
+        stub.Execute(pb.ExecuteRequest(executor=executor), metadata=metadata())
+    assert held_during_compute == [held]
+    wait_for(lambda: ledger.held_by_kind().get("executor", 0) == 0)
+
+
 def test_a_call_larger_than_a_tenants_share_is_161002_naming_the_tensor(serve, rng):
     served = serve(memory_budget_bytes=32 * MiB, max_tenant_bytes=4 * MiB)
     p = layer_norm_call(rng, (1024, 2048))  # 8 MiB gradInput
