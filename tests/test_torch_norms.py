@@ -8,9 +8,11 @@ import pickle
 
 import pytest
 import torch
+from oracle import assert_close
 from test_torch_integration import (
     DTYPES,
     _close,
+    _numpy,
     assert_same_state,
     loss,
     offload_client,  # noqa: F401 (fixture)
@@ -115,6 +117,13 @@ def test_channels_last_group_norm():
     offloaded = offload_norms(copy.deepcopy(plain), LocalClient("numpy"))
     xs = [x.to(memory_format=torch.channels_last) for x in batches("gn", torch.float32, steps=2)]
     train_side_by_side(offloaded, plain, xs)
+    # aten's GroupNorm keeps a channels-last input so on the CPU, and so computes (and lays out) the
+    # output; the offloaded forward is the same kernel on the same tensor (it was made NCHW first)
+    stock = nn.GroupNorm(2, 4)
+    off = offload_norms(copy.deepcopy(stock), LocalClient("numpy"))
+    x = torch.randn(2, 4, 3, 5).contiguous(memory_format=torch.channels_last)
+    got, want = off(x), stock(x)
+    assert torch.equal(got, want) and got.stride() == want.stride() == (60, 1, 20, 4)
 
 
 def test_backward_runs_on_the_server(serve):
@@ -213,6 +222,50 @@ def test_functions_match_torch_nn_functional():
         group_norm(x, 3, client=client)
     with pytest.raises(RuntimeError, match="at least 2 dimensions"):
         group_norm(torch.randn(4), 1, client=client)
+
+
+@pytest.mark.filterwarnings("ignore:Mismatch dtype between input and weight")  # PyTorch's, unfused
+@pytest.mark.parametrize(
+    "x_dtype,w_dtype",
+    [
+        (torch.float32, torch.float16),
+        (torch.float32, torch.bfloat16),
+        (torch.float16, torch.bfloat16),
+        (torch.bfloat16, torch.float16),
+        (torch.float16, torch.float32),
+    ],
+)
+def test_rms_norm_takes_a_weight_of_any_served_dtype(x_dtype, w_dtype):
+    """PyTorch's RMSNorm takes a weight of any float dtype; aclnnRmsNormGrad a gamma in dy's or FLOAT,
+    so the offloaded backward widens the others (it refused them: 161002 naming gamma)."""
+    client = LocalClient("numpy")
+    torch.manual_seed(0)
+    x = torch.randn(6, 8).to(x_dtype).requires_grad_()
+    w = torch.rand(8).add(0.5).to(w_dtype).requires_grad_()
+    got = rms_norm(x, [8], w, client=client)
+    want = nn.functional.rms_norm(x, [8], w)
+    assert torch.equal(got, want)  # aten's forward
+    grads = torch.autograd.grad(got.float().square().sum(), [x, w])
+    ref = torch.autograd.grad(want.float().square().sum(), [x, w])
+    x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    y64 = nn.functional.rms_norm(x64, [8], w64)
+    ref64 = torch.autograd.grad(y64, [x64, w64], want.double().mul(2))  # d(Σ y²)/dy at aten's output
+    for name, g, r, r64 in zip(("x", "w"), grads, ref, ref64):
+        assert g.dtype == r.dtype and g.shape == r.shape
+        assert_close(_numpy(g), r64.numpy(), name)
+
+
+@pytest.mark.parametrize("shape", [(2, 0), (0, 8)], ids=["empty-rows", "no-rows"])
+def test_rms_norm_backward_of_empty_tensors(shape):
+    """Rows of no elements, which aclnnRmsNormGrad refuses: gradients of no elements, as PyTorch's,
+    without a call; no rows at all: the service's own empty call."""
+    client = LocalClient("numpy")
+    x = torch.randn(shape, requires_grad=True)
+    w = torch.randn(shape[1], requires_grad=True)
+    rms_norm(x, [shape[1]], w, client=client).sum().backward()
+    xr, wr = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    nn.functional.rms_norm(xr, [shape[1]], wr).sum().backward()
+    assert torch.equal(x.grad, xr.grad) and torch.equal(w.grad, wr.grad)
 
 
 def test_restore_and_state_dict_round_trip():

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch._prims_common import suggest_memory_format  # aten's Tensor::suggest_memory_format
 
 from aclnn_common.api import BaseClient
 
@@ -151,7 +152,9 @@ def group_norm_with_id(
     size = [input.shape[0] * input.shape[1] // num_groups, num_groups, *input.shape[2:]]
     if size[0] * math.prod(size[2:]) == 1:
         raise ValueError(f"Expected more than 1 value per channel when training, got input size {size}")
-    # aten's group_norm makes the input contiguous before native_group_norm, which needs it
+    # aten's group_norm makes the input contiguous before native_group_norm, which needs it: in its
+    # suggested memory format on the CPU (channels_last stays so, and so does the output), else NCHW
+    layout = suggest_memory_format(input) if input.device.type in ("cpu", "xpu") else torch.contiguous_format
     return (_group_norm_op if compiling() else _group_norm_eager)(
-        input.contiguous(), num_groups, weight, bias, eps, cid
+        input.contiguous(memory_format=layout), num_groups, weight, bias, eps, cid
     )[0]

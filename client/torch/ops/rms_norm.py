@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -40,15 +41,22 @@ def _rms_norm_remote(
 ) -> tuple[Tensor, Tensor]:
     """aclnnRmsNormGrad through the client. The operator has no output mask and needs a gamma: it
     always writes both gradients (an unwanted one comes back empty), with ones for a missing weight,
-    and dgamma in FLOAT (cast to weight's dtype)."""
+    gamma in dy's dtype or FLOAT (a weight in another is widened: PyTorch takes any float weight),
+    and dgamma in FLOAT (cast to weight's dtype). Rows of no elements (which the operator refuses)
+    have gradients of no elements: nothing to compute."""
     grad_input, grad_weight = _rms_norm_backward_fake(
         grad_out, input, normalized_shape, rstd, weight, output_mask, client
     )
+    if not math.prod(normalized_shape):
+        return grad_input, grad_weight
     dx = grad_input if output_mask[0] else torch.empty_like(input, memory_format=torch.contiguous_format)
     dgamma = grad_weight if output_mask[1] and grad_weight.dtype == torch.float32 else None
     if dgamma is None:
         dgamma = gradient_buffer(normalized_shape, torch.float32, input.device)
-    gamma = weight if weight is not None else torch.ones(normalized_shape, dtype=input.dtype, device=input.device)
+    if weight is None:
+        gamma = torch.ones(normalized_shape, dtype=input.dtype, device=input.device)
+    else:
+        gamma = weight if weight.dtype in (grad_out.dtype, torch.float32) else weight.float()
     client_by_id(client).run(
         "aclnnRmsNormGrad", dy=grad_out, x=input, rstd=rstd, gamma=gamma, dxOut=dx, dgammaOut=dgamma
     )
