@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import logging
+import select
 import signal
+import socket
 import sys
 import threading
 import time
@@ -52,6 +54,24 @@ def _explain(error: ValidationError) -> str:
         else:  # a check across options, whose message names the flags and values itself
             lines.append(f"  {e['ctx']['error'] if e['type'] == 'value_error' else e['msg']}")
     return "invalid configuration:\n" + "\n".join(lines)
+
+
+def _wait_for(stop: threading.Event) -> None:
+    """Waits until a signal handler sets `stop`. The kernel may deliver SIGTERM to any thread (a
+    Numba, TBB or gRPC one among them): Python then runs its handler only once the main thread wakes,
+    which a plain `stop.wait()` never did (a server that ignored SIGTERM). The signal's C handler
+    writes to the wakeup descriptor, on whichever thread it ran, and that wakes this one."""
+    woken, wakeup = socket.socketpair()
+    wakeup.setblocking(False)
+    signal.set_wakeup_fd(wakeup.fileno(), warn_on_full_buffer=False)
+    try:
+        while not stop.is_set():
+            select.select([woken], [], [])
+            woken.recv(4096)
+    finally:
+        signal.set_wakeup_fd(-1)
+        woken.close()
+        wakeup.close()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -119,7 +139,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"port {server.metrics_port}" if server.metrics_port else "off",
     )
     print(f"listening on {options.host}:{port}", flush=True)
-    stop.wait()
+    _wait_for(stop)
     log.info("draining: health NOT_SERVING, new calls refused, in-flight calls get %.0f s", options.grace_period_s)
     started = time.monotonic()
     server.stop(options.grace_period_s).wait()

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import concurrent.futures
+import ctypes
 import os
+import platform
 import re
 import signal
 import socket
@@ -20,6 +22,7 @@ from oracle import assert_close
 from aclnn_client import Client
 
 OP = "aclnnLayerNormBackward"
+SYS_TGKILL = {"x86_64": 234, "aarch64": 131}.get(platform.machine())  # the syscall's number
 
 
 def free_port() -> int:
@@ -87,6 +90,25 @@ def test_sigterm_drains_calls_in_flight():
             assert_close(p["gradWeightOut"], len(p["mean"]) * g * x)
             assert_close(p["gradBiasOut"], len(p["mean"]) * g)
         assert proc.wait(timeout=30) == 0
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_taken_by_any_thread_stops_the_server(signum):
+    """The kernel hands a process's signal to any of its threads that does not block it: one of gRPC's,
+    Numba's or the data channel's, not only the main thread, whose wait for the signal then went on
+    for good (CI saw a server ignore SIGTERM). Sent here to a thread that is not the main one (tgkill)."""
+    if SYS_TGKILL is None:
+        pytest.skip(f"tgkill's number on {platform.machine()} is not known here")
+    libc = ctypes.CDLL(None, use_errno=True)
+    proc, _ = start_server()
+    try:
+        threads = [int(t) for t in os.listdir(f"/proc/{proc.pid}/task") if int(t) != proc.pid]
+        assert threads
+        libc.syscall(SYS_TGKILL, proc.pid, threads[len(threads) // 2], signum)
+        assert proc.wait(timeout=15) == 0
     finally:
         proc.kill()
         proc.wait()
