@@ -8,6 +8,7 @@ from typing import Any
 
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.nn.modules.lazy import LazyModuleMixin
 
 from aclnn_common.api import BaseClient
 
@@ -57,7 +58,29 @@ def _runs_in_pytorch(layer: nn.Module, input: Tensor) -> bool:
     return True
 
 
-class _OffloadedLayerNorm:
+class _Offloaded:
+    """What every offloaded class has: it pickles as the class it was made from (a user's subclass
+    too, whose offloaded class is made at run time and has no importable name), and refuses
+    TorchScript, which cannot call the client, with a message that says so."""
+
+    def __reduce_ex__(self, protocol: int) -> tuple:
+        _, _, *state = super().__reduce_ex__(max(protocol, 2))  # (copyreg.__newobj__, (cls,), state, ...)
+        return (_new_offloaded, (type(self).__bases__[1],), *state)
+
+    def __prepare_scriptable__(self) -> nn.Module:
+        raise RuntimeError(
+            f"an offloaded {type(self).__bases__[1].__name__} cannot be scripted: its backward calls the "
+            "aclnn client from Python. torch.compile and torch.jit.trace take it; or script after restore_norms"
+        )
+
+
+def _new_offloaded(cls: type) -> nn.Module:
+    """Unpickling: a bare instance of `cls`'s offloaded class (its state comes next)."""
+    offloaded = _offloaded_class(cls)
+    return offloaded.__new__(offloaded)
+
+
+class _OffloadedLayerNorm(_Offloaded):
     """nn.LayerNorm's forward with the remote backward."""
 
     _aclnn: _Binding
@@ -68,7 +91,7 @@ class _OffloadedLayerNorm:
         return layer_norm_with_id(input, self.normalized_shape, self.weight, self.bias, self.eps, self._aclnn.id)
 
 
-class _OffloadedBatchNorm:
+class _OffloadedBatchNorm(_Offloaded):
     """nn.BatchNorm's forward (torch.nn.modules.batchnorm._BatchNorm.forward) with the remote backward."""
 
     _aclnn: _Binding
@@ -124,7 +147,7 @@ class _OffloadedSyncBatchNorm(_OffloadedBatchNorm):
         )
 
 
-class _OffloadedRMSNorm:
+class _OffloadedRMSNorm(_Offloaded):
     """nn.RMSNorm's forward with the remote backward."""
 
     _aclnn: _Binding
@@ -135,7 +158,7 @@ class _OffloadedRMSNorm:
         return rms_norm_with_id(x, self.normalized_shape, self.weight, self.eps, self._aclnn.id)
 
 
-class _OffloadedGroupNorm:
+class _OffloadedGroupNorm(_Offloaded):
     """nn.GroupNorm's forward with the remote backward."""
 
     _aclnn: _Binding
@@ -160,12 +183,22 @@ _offloaded: dict[type, type] = {}  # module class -> its offloaded subclass
 
 
 def _offloaded_class(cls: type) -> type:
-    """The subclass of `cls` with the offloaded forward (one per class, named Offloaded<cls>)."""
+    """The subclass of `cls` with the offloaded forward (one per class, named Offloaded<cls>). A lazy
+    layer's (nn.LazyBatchNorm2d, ...) becomes the offloaded class of what the lazy one becomes."""
     if cls not in _offloaded:
-        mixin = next(m for base, _, m in _STOCK if issubclass(cls, base))
+        becomes = _becomes(cls)
+        mixin = next(m for base, _, m in _STOCK if issubclass(becomes or cls, base))
         name = f"Offloaded{cls.__name__}"
-        _offloaded[cls] = type(name, (mixin, cls), {"__module__": __name__, "__qualname__": name})
+        namespace = {"__module__": __name__, "__qualname__": name}
+        if becomes is not None:
+            namespace["cls_to_become"] = _offloaded_class(becomes)
+        _offloaded[cls] = type(name, (mixin, cls), namespace)
     return _offloaded[cls]
+
+
+def _becomes(cls: type) -> type | None:
+    """The class a lazy layer class turns into once its first input set its sizes, None for another."""
+    return getattr(cls, "cls_to_become", None) if issubclass(cls, LazyModuleMixin) else None
 
 
 for _stock, _, _ in _STOCK:  # the stock classes' subclasses live here by name, so offloaded models pickle
@@ -177,8 +210,8 @@ def offload_norms(module: nn.Module, client: BaseClient) -> nn.Module:
     """Makes every nn.LayerNorm, nn.BatchNorm1d/2d/3d, nn.RMSNorm and nn.GroupNorm in `module` (itself
     included) compute its backward through `client`, in place; returns `module`.
 
-    Each layer's class becomes a subclass whose forward calls `layer_norm` / `batch_norm` / `rms_norm` /
-    `group_norm` here:
+    Each layer's class (a lazy one's, nn.LazyBatchNorm1d/2d/3d, too) becomes a subclass whose forward
+    calls `layer_norm` / `batch_norm` / `rms_norm` / `group_norm` here:
     parameters, buffers and state_dict keys stay as they are. Subclasses that override forward
     are left alone (their forward is not the one this replaces). Offloading again rebinds the client
     (a model saved and loaded comes back without one: offload it again).
@@ -193,7 +226,7 @@ def offload_norms(module: nn.Module, client: BaseClient) -> nn.Module:
             m._aclnn, m._aclnn_name = binding, name
             continue
         for base, stock_forward, _ in _STOCK:
-            if isinstance(m, base) and cls.forward is stock_forward:
+            if issubclass(_becomes(cls) or cls, base) and cls.forward is stock_forward:
                 m.__class__ = _offloaded_class(cls)
                 m._aclnn, m._aclnn_name = binding, name
                 break

@@ -15,7 +15,7 @@ from aclnn_common.api import BaseClient
 from ..clients import client_by_id, client_id, live_client
 from ..gradients import copy_back, empty_gradient, gradient_buffer, staged
 from ..local import differentiable_gradients, unserved_dtype, warn_not_served
-from .eager import compiling, eager_function
+from .eager import compiling, eager_function, transformed
 
 
 def _batch_norm_forward(
@@ -237,6 +237,8 @@ def batch_norm_with_id(
     if input.numel() == 0:
         # Nothing to normalize: aten's batch_norm answers input·weight[0] + bias[0] (empty, but on the
         # autograd graph), running statistics untouched; there is no backward to send anywhere.
+        return torch.nn.functional.batch_norm(input, running_mean, running_var, weight, bias, training, momentum, eps)
+    if not compiling() and transformed():
         return torch.nn.functional.batch_norm(input, running_mean, running_var, weight, bias, training, momentum, eps)
     out, _, _, new_mean, new_var = (_batch_norm_op if compiling() else _batch_norm_eager)(
         input, weight, bias, running_mean, running_var, training, float(momentum), eps, cid

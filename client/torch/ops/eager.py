@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.autograd import forward_ad
 
 
 def eager_function(
@@ -40,3 +41,11 @@ def eager_function(
 def compiling() -> bool:
     """Whether torch.compile (or export) is tracing: then the custom ops, else their eager twins."""
     return torch.compiler.is_compiling()
+
+
+def transformed() -> bool:
+    """Whether a torch.func transform (vmap, grad, jvp, jacrev, functionalize) or forward-mode AD is
+    active: the offloaded Function has no batching rule and no jvp, and the service's results carry
+    neither, so the layer then runs PyTorch's own implementation, forward and backward (as a
+    gradient differentiated again runs PyTorch's formula: local.py). Never true while compiling."""
+    return torch._C._are_functorch_transforms_active() or forward_ad._current_level >= 0

@@ -16,7 +16,7 @@ from aclnn_common.api import BaseClient
 from ..clients import client_by_id, client_id, live_client
 from ..gradients import copy_back, empty_gradient, gradient_buffer, staged
 from ..local import differentiable_gradients, unserved_dtype, warn_not_served
-from .eager import compiling, eager_function
+from .eager import compiling, eager_function, transformed
 
 
 def _group_sizes(input: Tensor) -> tuple[int, int, int]:
@@ -152,9 +152,13 @@ def group_norm_with_id(
     size = [input.shape[0] * input.shape[1] // num_groups, num_groups, *input.shape[2:]]
     if size[0] * math.prod(size[2:]) == 1:
         raise ValueError(f"Expected more than 1 value per channel when training, got input size {size}")
+    if not compiling() and transformed():
+        return F.group_norm(input, num_groups, weight, bias, eps)
     # aten's group_norm makes the input contiguous before native_group_norm, which needs it: in its
     # suggested memory format on the CPU (channels_last stays so, and so does the output), else NCHW
-    layout = suggest_memory_format(input) if input.device.type in ("cpu", "xpu") else torch.contiguous_format
+    # (and while tracing, whose shapes and strides are tensors that suggest_memory_format cannot read)
+    cpu = input.device.type in ("cpu", "xpu") and not torch.jit.is_tracing()
+    layout = suggest_memory_format(input) if cpu else torch.contiguous_format
     return (_group_norm_op if compiling() else _group_norm_eager)(
         input.contiguous(memory_format=layout), num_groups, weight, bias, eps, cid
     )[0]

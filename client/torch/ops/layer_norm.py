@@ -14,7 +14,7 @@ from aclnn_common.api import BaseClient
 from ..clients import client_by_id, client_id, live_client
 from ..gradients import empty_gradient, gradient_buffer
 from ..local import differentiable_gradients, unserved_dtype, warn_not_served
-from .eager import compiling, eager_function
+from .eager import compiling, eager_function, transformed
 
 
 def _layer_norm_forward(
@@ -138,4 +138,8 @@ def layer_norm_with_id(
     cid: int,
 ) -> Tensor:
     shape = [normalized_shape] if isinstance(normalized_shape, int) else list(normalized_shape)
-    return (_layer_norm_op if compiling() else _layer_norm_eager)(input, shape, weight, bias, eps, cid)[0]
+    if compiling():
+        return _layer_norm_op(input, shape, weight, bias, eps, cid)[0]
+    if transformed():
+        return F.layer_norm(input, shape, weight, bias, eps)
+    return _layer_norm_eager(input, shape, weight, bias, eps, cid)[0]

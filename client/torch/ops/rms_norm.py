@@ -15,7 +15,7 @@ from aclnn_common.api import BaseClient
 from ..clients import client_by_id, client_id, live_client
 from ..gradients import empty_gradient, gradient_buffer
 from ..local import differentiable_gradients, unserved_dtype, warn_not_served
-from .eager import compiling, eager_function
+from .eager import compiling, eager_function, transformed
 
 
 def _rms_norm_forward(
@@ -131,7 +131,11 @@ def rms_norm_with_id(
 ) -> Tensor:
     shape = [normalized_shape] if isinstance(normalized_shape, int) else list(normalized_shape)
     _check_rms_norm_inputs(input, shape, weight)
-    return (_rms_norm_op if compiling() else _rms_norm_eager)(input, shape, weight, eps, cid)[0]
+    if compiling():
+        return _rms_norm_op(input, shape, weight, eps, cid)[0]
+    if transformed():
+        return F.rms_norm(input, shape, weight, eps)
+    return _rms_norm_eager(input, shape, weight, eps, cid)[0]
 
 
 def _check_rms_norm_inputs(input: Tensor, shape: list[int], weight: Tensor | None) -> None:
