@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import signal
 import threading
 import time
 import urllib.request
@@ -17,12 +18,14 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 from grpc_status import rpc_status
 from layer_norm_cases import layer_norm_call, layer_norm_reference
 from oracle import assert_close
+from test_processes import start_server
 
 from aclnn_client import AclnnError, Client
 from aclnn_common._proto import aclnn_pb2 as pb
 from aclnn_common._proto import aclnn_pb2_grpc as pb_grpc
 from aclnn_common.binding import bind
 from aclnn_common.wire import encode_call
+from aclnn_server.transport import health as health_service
 from aclnn_server.transport import service
 
 OP = "aclnnLayerNormBackward"
@@ -38,6 +41,67 @@ def test_health_serving_then_not_serving_while_draining(serve):
         assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
         server.stop(2)
         assert next(watch).status == health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+def test_health_watches_cancelled_by_the_thousand_hold_up_nothing(token_file):
+    """Health is open to anyone. grpc_health's Watch sent its first answer holding a lock that a cancelled
+    watch's close callback (on gRPC's one serving thread) waits for: two unauthenticated clients
+    watching and cancelling hung every call within seconds, and SIGTERM too (red-team finding)."""
+    proc, address = start_server("--auth-token-file", str(token_file))
+    stop = threading.Event()
+    watches = [0, 0]
+
+    def watch_and_cancel(k: int) -> None:
+        with grpc.insecure_channel(address) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            while not stop.is_set():
+                stream = stub.Watch(health_pb2.HealthCheckRequest(service=""), timeout=3)
+                next(stream)
+                stream.cancel()
+                watches[k] += 1
+
+    attackers = [threading.Thread(target=watch_and_cancel, args=(k,), daemon=True) for k in range(2)]
+    try:
+        for t in attackers:
+            t.start()
+        with grpc.insecure_channel(address) as channel:
+            health, aclnn = health_pb2_grpc.HealthStub(channel), pb_grpc.AclnnStub(channel)
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline:
+                assert health.Check(health_pb2.HealthCheckRequest(service=""), timeout=3).status == 1
+                aclnn.ListOperators(pb.Empty(), metadata=(("authorization", "Bearer alice"),), timeout=3)
+                time.sleep(0.2)
+        assert min(watches) > 20
+        stop.set()
+        for t in attackers:
+            t.join(10)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=15) == 0
+    finally:
+        stop.set()
+        proc.kill()
+        proc.wait()
+
+
+def test_health_knows_its_own_services_only_and_caps_watches(serve, monkeypatch):
+    """Another service name is NOT_FOUND, for Check and Watch alike, and never kept (grpc_health kept
+    every name watched: megabytes each, unauthenticated); at most MAX_WATCHES watches at once."""
+    monkeypatch.setattr(health_service, "MAX_WATCHES", 3)
+    address, _, _ = serve()
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        for call in (stub.Check, lambda r: next(stub.Watch(r))):
+            with pytest.raises(grpc.RpcError) as err:
+                call(health_pb2.HealthCheckRequest(service="x" * 100_000))
+            assert err.value.code() == grpc.StatusCode.NOT_FOUND
+        streams = [stub.Watch(health_pb2.HealthCheckRequest(service="")) for _ in range(3)]
+        assert all(next(s).status == 1 for s in streams)
+        with pytest.raises(grpc.RpcError) as err:
+            next(stub.Watch(health_pb2.HealthCheckRequest(service="aclnn.v1.Aclnn")))
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        streams.pop().cancel()
+        time.sleep(0.2)  # its close callback has run
+        assert next(stub.Watch(health_pb2.HealthCheckRequest(service="aclnn.v1.Aclnn"))).status == 1
 
 
 def test_reflection_lists_and_describes_the_service(serve):

@@ -13,7 +13,7 @@ from concurrent import futures
 from typing import Any
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from grpc_status import rpc_status
 
@@ -31,6 +31,7 @@ from ..storage import Storage
 from .auth import Identities, TokenAuthInterceptor, read_tokens
 from .data_channel import DataChannelServer
 from .data_channel import Limits as DataChannelLimits
+from .health import HealthService
 from .limits import CallLimit
 from .progress import Progress, Transfer
 from .service import AclnnService, failure_status, new_request_id, release
@@ -302,7 +303,7 @@ class AclnnServer:
         self.metrics.track_memory(lambda: engine.ledger.held, engine.ledger.held_by_kind, engine.ledger.budget_bytes)
         self.metrics.track_buffers(lambda: len(engine.buffers))
         self.metrics.track_admission(lambda: engine.admission.running, lambda: engine.admission.waiting)
-        self.health = health.HealthServicer(experimental_non_blocking=True)
+        self.health = HealthService(("", SERVICE_NAME))  # NOT_SERVING until the backend is ready
         # Calls other than health checks: one per admitted or queued execution, plus a few cheap ones
         # (plans, uploads); beyond them RESOURCE_EXHAUSTED at once. Health checks have threads of their own.
         workers = options.max_concurrency + options.max_queue + 4
@@ -384,8 +385,6 @@ class AclnnServer:
         self._stopping = threading.Event()
 
     def start(self) -> None:
-        for service in ("", SERVICE_NAME):  # known to health checks from the first connection on
-            self.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
         self.grpc.start()
         if self.data_channel is not None:
             self.data_channel.start()
