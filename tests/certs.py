@@ -23,10 +23,23 @@ class Pem:
 
 
 def _name(common_name: str) -> x509.Name:
-    return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
+    return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)] if common_name else [])
 
 
-def _issue(subject: str, issuer: Pem | None, *, ca: bool = False, server: bool = False, dns_only: bool = False) -> Pem:
+def issue_workload_certificate(issuer: Pem, uri: str | None) -> Pem:
+    """A client certificate without a common name, as SPIFFE issues them: a URI name, or (None) no name at all."""
+    return _issue("", issuer, uri=uri)
+
+
+def _issue(
+    subject: str,
+    issuer: Pem | None,
+    *,
+    ca: bool = False,
+    server: bool = False,
+    dns_only: bool = False,
+    uri: str | None = None,
+) -> Pem:
     key = ec.generate_private_key(ec.SECP256R1())
     now = datetime.datetime.now(datetime.UTC)
     issuer_cert = x509.load_pem_x509_certificate(issuer.cert) if issuer else None
@@ -46,6 +59,10 @@ def _issue(subject: str, issuer: Pem | None, *, ca: bool = False, server: bool =
         if not dns_only:
             names += [x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
         builder = builder.add_extension(x509.SubjectAlternativeName(names), critical=False)
+    if uri is not None:
+        builder = builder.add_extension(
+            x509.SubjectAlternativeName([x509.UniformResourceIdentifier(uri)]), critical=True
+        )
     cert = builder.sign(issuer_key, hashes.SHA256())
     return Pem(
         cert.public_bytes(serialization.Encoding.PEM),

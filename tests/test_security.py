@@ -6,7 +6,7 @@ import grpc
 import numpy as np
 import pydantic
 import pytest
-from certs import make_certificates
+from certs import issue_workload_certificate, make_certificates
 from layer_norm_cases import layer_norm_call
 from oracle import Untouched
 
@@ -47,6 +47,48 @@ def test_mutual_tls_requires_a_client_certificate(serve, certs, rng):
     with Client(address, root_certificates=certs.ca.cert, timeout=5) as anonymous, pytest.raises(AclnnError) as info:
         run_ok(anonymous, rng)
     assert info.value.grpc_code == grpc.StatusCode.UNAVAILABLE
+
+
+def test_certificates_without_a_common_name_are_tenants_of_their_own(serve, certs, rng):
+    """SPIFFE-style certificates carry a URI name and no common name, which gRPC reports as one empty
+    name: every such certificate was the tenant `cert:`, sharing one set of quotas (red-team finding).
+    Now a certificate's URI name, or without any name its fingerprint, is its identity."""
+    served = serve(
+        tls_cert=certs.path("server.pem"),
+        tls_key=certs.path("server.key"),
+        tls_client_ca=certs.path("ca.pem"),
+        max_tenant_executors=1,
+    )
+    workloads = [
+        issue_workload_certificate(certs.ca, "spiffe://example.org/tenant-a"),
+        issue_workload_certificate(certs.ca, "spiffe://example.org/tenant-b"),
+        issue_workload_certificate(certs.ca, None),
+        issue_workload_certificate(certs.ca, None),
+    ]
+    p = layer_norm_call(rng, (2, 8))
+    clients = [
+        Client(served.address, root_certificates=certs.ca.cert, private_key=w.key, certificate_chain=w.cert)
+        for w in workloads
+    ]
+    try:
+        for c in clients:  # each holds its one executor: no two are the same tenant
+            c.get_workspace_size(OP, **p)
+        owners = {entry.owner for entry in served.engine.executors._entries.values()}
+        assert len(owners) == 4 and "cert:" not in owners
+        assert {"cert-san:spiffe://example.org/tenant-a", "cert-san:spiffe://example.org/tenant-b"} <= owners
+    finally:
+        for c in clients:
+            c.close()
+
+
+def test_a_token_file_saved_with_a_byte_order_mark_keeps_its_first_token(serve, tmp_path, rng):
+    """Editors on some systems begin a UTF-8 file with a byte-order mark: it is not part of the first token."""
+    path = tmp_path / "tokens"
+    path.write_text("first-token\nsecond-token\n", encoding="utf-8-sig")
+    address, _, _ = serve(auth_token_file=path)
+    for token in ("first-token", "second-token"):
+        with Client(address, token=token) as c:
+            run_ok(c, rng)
 
 
 @pytest.fixture

@@ -20,7 +20,7 @@ import struct
 import threading
 import urllib.parse
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from concurrent import futures
 from typing import Any
 
@@ -34,7 +34,7 @@ _OPEN_SERVICES = ("/grpc.health.v1.Health/",)
 
 def read_tokens(path: Any) -> frozenset[str]:
     """One token per line; blank lines and # comments are ignored."""
-    with open(path, encoding="utf-8") as f:
+    with open(path, encoding="utf-8-sig") as f:  # a byte-order mark is not part of the first token
         tokens = frozenset(line.strip() for line in f if line.strip() and not line.lstrip().startswith("#"))
     if not tokens:
         raise ValueError(f"{path} holds no token")
@@ -116,10 +116,20 @@ class Identities:
             token = bearer_token(context.invocation_metadata())
             if token is not None:
                 return token_identity(token)
-        names = context.auth_context().get("x509_common_name")
+        certificate = certificate_identity(context.auth_context())
+        return certificate or peer_identity(context.peer(), self.host, self.port)
+
+
+def certificate_identity(auth: Mapping[str, list[bytes]]) -> str | None:
+    """A verified client certificate's identity: its common name, else its first subject alternative
+    name (a SPIFFE URI, a DNS name), else its fingerprint; None without one. (gRPC reports a missing
+    common name as one empty name: every certificate without one was once the same `cert:` tenant.)"""
+    for key, prefix in (("x509_common_name", "cert:"), ("x509_subject_alternative_name", "cert-san:")):
+        names = [name for name in auth.get(key, ()) if name]
         if names:
-            return "cert:" + names[0].decode()
-        return peer_identity(context.peer(), self.host, self.port)
+            return prefix + names[0].decode(errors="replace")
+    pem = [cert for cert in auth.get("x509_pem_cert", ()) if cert]
+    return "cert-sha256:" + hashlib.sha256(pem[0]).hexdigest()[:32] if pem else None
 
 
 def parse_peer(peer: str) -> tuple[ipaddress.IPv4Address | ipaddress.IPv6Address, int] | None:
