@@ -645,8 +645,11 @@ def test_a_call_refused_writes_nothing_into_its_results_regions(region_of, rng, 
     assert answers_keepalive(sock)
 
 
-def test_a_ticket_is_for_its_own_local_user(serve):
-    """A ticket issued to one local user (uid:N) does not admit another user's process on the Unix socket."""
+@pytest.mark.parametrize("port", ["unix", "tcp"])
+def test_a_ticket_is_for_its_own_local_user(serve, port):
+    """A ticket issued to one local user (uid:N) does not admit another user's process, on the Unix socket
+    (its peer credentials) or on the TCP port (the owner of the loopback connection's client end: the TCP
+    port admitted it, red-team finding)."""
     if os.getuid() != 0:
         pytest.skip("needs root to act as another user")
     served = serve()
@@ -656,11 +659,15 @@ def test_a_ticket_is_for_its_own_local_user(serve):
     if child == 0:  # another local user: it may reach the socket (0666 in a 0711 directory) but not use the ticket
         code = 1
         try:
+            "localhost".encode("idna")  # the codec a TCP connect takes, loaded while root can read it
             os.setgid(65534)
             os.setuid(65534)
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            sock.settimeout(10)
-            sock.connect(offer.unix_path)
+            if port == "unix":
+                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                sock.settimeout(10)
+                sock.connect(offer.unix_path)
+            else:
+                sock = socket.create_connection(("127.0.0.1", offer.port), timeout=10)
             sock.sendall(MAGIC + offer.ticket)
             ok, payload = reply(sock)
             os.write(write, b"refused" if not ok and "another local user" in error_of(payload).message else b"admitted")

@@ -22,6 +22,7 @@ from __future__ import annotations
 import collections
 import errno
 import functools
+import ipaddress
 import logging
 import os
 import select
@@ -41,7 +42,8 @@ from aclnn_common.framing import MAGIC, MAILBOX_MAX_BYTES, REPLY, ConnectionLost
 
 from ...config import OptionError, options_at_fault
 from ...engine import CallContext
-from ..service import AclnnService
+from ..auth import local_socket_uid
+from ..service import AclnnService, loggable
 from .connection import Connection, Limits, ProtocolError
 from .descriptors import Broker, Unexpected, refuse_passing
 from .framing import failure, fill, send_now, status
@@ -523,9 +525,10 @@ class DataChannelServer:
         if holder is None:
             return status(code_pb2.UNAUTHENTICATED, "unknown or expired data-channel ticket")
         owner, session = holder
+        # A local user's ticket admits that user only, on the Unix socket and on the TCP port alike.
+        if (owner or "").startswith("uid:") and owner != _local_user(conn):
+            return status(code_pb2.PERMISSION_DENIED, "the ticket was issued to another local user")
         with self._lock:
-            if conn.peer is not None and (owner or "").startswith("uid:") and owner != f"uid:{conn.peer[1]}":
-                return status(code_pb2.PERMISSION_DENIED, "the ticket was issued to another local user")
             if self._admitted >= self.limits.max_connections:
                 return status(code_pb2.RESOURCE_EXHAUSTED, f"{self.limits.max_connections} connections are open")
             if self._per_identity[owner] >= self.limits.max_per_identity:
@@ -538,9 +541,27 @@ class DataChannelServer:
             self._handshaking -= 1
             self._admitted += 1
             self._per_identity[owner] += 1
-        if conn.peer is not None:
-            log.info("data channel: Unix-socket peer pid=%d uid=%d gid=%d admitted as %s", *conn.peer, owner or "-")
+        if conn.peer is not None:  # every connection a line: a debugging aid, not a record (a client makes many)
+            log.debug(
+                "data channel: Unix-socket peer pid=%d uid=%d gid=%d admitted as %s", *conn.peer, loggable(owner or "-")
+            )
         return None
+
+
+def _local_user(conn: Connection) -> str | None:
+    """`uid:N` of the local user at the connection's far end: the Unix socket's peer, or the owner of a
+    loopback TCP connection's client end; None for a peer on another host."""
+    if conn.peer is not None:
+        return f"uid:{conn.peer[1]}"
+    try:
+        client, client_port = conn.sock.getpeername()[:2]
+        server, server_port = conn.sock.getsockname()[:2]
+        ends = [ipaddress.ip_address(address) for address in (client, server)]
+    except (OSError, ValueError, TypeError):
+        return None
+    ends = [a.ipv4_mapped if isinstance(a, ipaddress.IPv6Address) and a.ipv4_mapped else a for a in ends]
+    uid = local_socket_uid(ends[0], client_port, ends[1], server_port) if ends[0].is_loopback else None
+    return None if uid is None else f"uid:{uid}"
 
 
 def _remove_stale_socket(path: str) -> None:
