@@ -138,6 +138,9 @@ class Client(BaseClient):
             ("grpc.max_receive_message_length", _UNLIMITED),
             ("grpc.service_config", _SERVICE_CONFIG),
             ("grpc.enable_retries", 0),  # one retry layer: this client's (ATTEMPTS)
+            # A token in clear goes straight to the server, never through an HTTP proxy (http_proxy,
+            # grpc_proxy), which would read it: to a loopback server it has no business at all.
+            *([("grpc.enable_http_proxy", 0)] if token and self._tls is None else []),
             *options,
         ]
         self._pool = Pool(parsed, self._tls.credentials() if self._tls else None, channel_options)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import socket
+
 import grpc
 import numpy as np
 import pydantic
@@ -89,6 +91,24 @@ def test_a_token_file_saved_with_a_byte_order_mark_keeps_its_first_token(serve, 
     for token in ("first-token", "second-token"):
         with Client(address, token=token) as c:
             run_ok(c, rng)
+
+
+@pytest.mark.parametrize("variable", ["http_proxy", "grpc_proxy"])
+def test_a_plaintext_token_never_goes_through_a_proxy(serve, tmp_path, rng, monkeypatch, variable):
+    """A token goes in clear only to a loopback server: with a proxy in the environment, gRPC tunnelled
+    the call, token and all, through it (red-team finding). Such a channel now ignores proxies."""
+    path = tmp_path / "tokens"
+    path.write_text("the-token\n")
+    address, _, _ = serve(auth_token_file=path)
+    proxy = socket.socket()
+    proxy.bind(("127.0.0.1", 0))
+    proxy.listen()
+    proxy.settimeout(0.5)
+    monkeypatch.setenv(variable, f"http://127.0.0.1:{proxy.getsockname()[1]}")
+    with proxy, Client(address, token="the-token", data_channel=False, timeout=10) as c:
+        run_ok(c, rng)
+        with pytest.raises(TimeoutError):
+            proxy.accept()  # nobody came
 
 
 @pytest.fixture
