@@ -97,6 +97,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
+    signal.signal(signal.SIGHUP, lambda *_: server.reload())  # its default would end the process at once
     try:
         server.start()
     except (ValueError, OSError) as exc:  # the metrics port

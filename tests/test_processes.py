@@ -14,12 +14,13 @@ import sys
 import time
 import urllib.request
 
+import grpc
 import numpy as np
 import pytest
 from layer_norm_cases import layer_norm_call, layer_norm_reference
 from oracle import assert_close
 
-from aclnn_client import Client
+from aclnn_client import AclnnError, Client
 
 OP = "aclnnLayerNormBackward"
 SYS_TGKILL = {"x86_64": 234, "aarch64": 131}.get(platform.machine())  # the syscall's number
@@ -112,6 +113,51 @@ def test_a_signal_taken_by_any_thread_stops_the_server(signum):
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_sighup_reloads_the_token_file_and_ends_nothing(tmp_path):
+    """SIGHUP's default would end the server at once, in-flight calls and all (red-team finding): it now
+    reads --auth-token-file again, so tokens rotate without a restart; a file that does not read keeps
+    the tokens in force. A server without a token file just goes on."""
+    tokens = tmp_path / "tokens"
+    tokens.write_text("old-token\n")
+    proc, address = start_server("--auth-token-file", str(tokens), "--log-level", "INFO")
+    bare, _ = start_server()
+    p = layer_norm_call(np.random.default_rng(0), (4, 8))
+
+    def runs(token: str) -> bool:
+        with Client(address, token=token, timeout=10) as c:
+            try:
+                c.run(OP, **p)
+            except AclnnError as error:
+                assert error.grpc_code == grpc.StatusCode.UNAUTHENTICATED
+                return False
+        return True
+
+    try:
+        assert runs("old-token") and not runs("new-token")
+        tokens.write_text("new-token\n")
+        proc.send_signal(signal.SIGHUP)
+        for _ in range(100):
+            if runs("new-token"):
+                break
+            time.sleep(0.05)
+        assert not runs("old-token") and runs("new-token")
+        tokens.write_text("")  # no token: refused, the tokens in force stay
+        proc.send_signal(signal.SIGHUP)
+        time.sleep(0.5)
+        assert runs("new-token")
+        bare.send_signal(signal.SIGHUP)
+        time.sleep(0.5)
+        assert proc.poll() is None and bare.poll() is None
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=15) == 0
+        log = proc.stderr.read()
+        assert "SIGHUP: 1 tokens reloaded" in log and "not reloaded, the tokens in force stay" in log
+    finally:
+        for server in (proc, bare):
+            server.kill()
+            server.wait()
 
 
 @pytest.mark.slow

@@ -64,6 +64,10 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):
         self._digests = [hashlib.sha256(t.encode()).digest() for t in tokens]
         self._refusal_pool = refusal_pool
 
+    def replace(self, tokens: frozenset[str]) -> None:
+        """The tokens from now on (a token file read again): a call is checked against one set or the other."""
+        self._digests = [hashlib.sha256(t.encode()).digest() for t in tokens]
+
     def _valid(self, token: str | None) -> bool:
         if token is None:
             return False

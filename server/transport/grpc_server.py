@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import logging
 import socket
 import ssl
 import threading
@@ -36,6 +37,7 @@ from .limits import CallLimit
 from .progress import Progress, Transfer
 from .service import AclnnService, failure_status, new_request_id, release
 
+log = logging.getLogger("aclnn_server")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Aclnn"].full_name
 
 
@@ -319,8 +321,8 @@ class AclnnServer:
         self._refusal_pool = futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="aclnn-refuse")
         if options.auth_token_file:  # outermost: a refused call takes no slot and its request is never read
             with options_at_fault(auth_token_file=options.auth_token_file):
-                tokens = TokenAuthInterceptor(read_tokens(options.auth_token_file), self._refusal_pool)
-            interceptors.insert(0, tokens)
+                self._tokens = TokenAuthInterceptor(read_tokens(options.auth_token_file), self._refusal_pool)
+            interceptors.insert(0, self._tokens)
         self.grpc = grpc.server(
             # Two spare threads: refusals, and calls that ended while their thread is still finishing.
             futures.ThreadPoolExecutor(max_workers=workers + 2, thread_name_prefix="aclnn-rpc"),
@@ -435,6 +437,21 @@ class AclnnServer:
 
         threading.Thread(target=release, name="aclnn-release", daemon=True).start()
         return stopped
+
+    def reload(self) -> None:
+        """SIGHUP: reads --auth-token-file again (tokens rotate without a restart); a file that does not
+        read keeps the tokens in force. Calls in flight and admitted data-channel connections go on."""
+        path = self.options.auth_token_file
+        if path is None:
+            log.info("SIGHUP: nothing to reload (no --auth-token-file)")
+            return
+        try:
+            tokens = read_tokens(path)
+        except (OSError, ValueError) as exc:
+            log.error("SIGHUP: --auth-token-file %s not reloaded, the tokens in force stay: %s", path, exc)
+            return
+        self._tokens.replace(tokens)
+        log.info("SIGHUP: %d tokens reloaded from %s", len(tokens), path)
 
     def wait_for_termination(self, timeout: float | None = None) -> bool:
         return self.grpc.wait_for_termination(timeout)
