@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import socket
+import socketserver
+import threading
 from collections.abc import Callable
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
 
 _PHASES = ("queue", "validation", "compute", "transfer")
 _BUCKETS = (0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 30.0)
@@ -86,10 +90,51 @@ class Metrics:
 
     def serve(self, host: str, port: int) -> int:
         """Serves /metrics over HTTP; returns the bound port."""
-        self._http, _ = start_http_server(port, addr=host, registry=self.registry)
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        server_class = type("MetricsServer", (_MetricsServer,), {"address_family": family})
+        self._http = make_server(host, port, make_wsgi_app(self.registry), server_class, _QuietHandler)
+        threading.Thread(target=self._http.serve_forever, name="aclnn-metrics", daemon=True).start()
         return self._http.server_port
 
     def close(self) -> None:
         if self._http is not None:
             self._http.shutdown()
             self._http.server_close()
+
+
+# The metrics port has no credentials (scrapers carry none): a thread per scrape, but at most this many
+# at once (more are closed at once), each dropped once it stalls this long, so that idle connections
+# by the hundred pin no threads.
+MAX_SCRAPES = 8
+SCRAPE_TIMEOUT_S = 5.0
+
+
+class _MetricsServer(socketserver.ThreadingMixIn, WSGIServer):
+    daemon_threads = True
+    request_queue_size = 64  # connections beyond the scrapes served are taken and closed, not left to retry
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        self._scrapes = threading.BoundedSemaphore(MAX_SCRAPES)
+        super().__init__(*args, **kwargs)
+
+    def process_request(self, request: socket.socket, client_address: object) -> None:
+        if not self._scrapes.acquire(blocking=False):
+            self.shutdown_request(request)
+            return
+        super().process_request(request, client_address)
+
+    def process_request_thread(self, request: socket.socket, client_address: object) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._scrapes.release()
+
+    def handle_error(self, request: socket.socket, client_address: object) -> None:
+        pass  # a scraper that stalled or went away: nothing for the server's log
+
+
+class _QuietHandler(WSGIRequestHandler):
+    timeout = SCRAPE_TIMEOUT_S
+
+    def log_message(self, format: str, *args: object) -> None:  # a line per scrape on stderr: no
+        pass

@@ -5,6 +5,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import signal
+import socket
 import threading
 import time
 import urllib.request
@@ -18,13 +19,14 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 from grpc_status import rpc_status
 from layer_norm_cases import layer_norm_call, layer_norm_reference
 from oracle import assert_close
-from test_processes import start_server
+from test_processes import free_port, start_server
 
 from aclnn_client import AclnnError, Client
 from aclnn_common._proto import aclnn_pb2 as pb
 from aclnn_common._proto import aclnn_pb2_grpc as pb_grpc
 from aclnn_common.binding import bind
 from aclnn_common.wire import encode_call
+from aclnn_server import metrics
 from aclnn_server.transport import health as health_service
 from aclnn_server.transport import service
 
@@ -102,6 +104,28 @@ def test_health_knows_its_own_services_only_and_caps_watches(serve, monkeypatch)
         streams.pop().cancel()
         time.sleep(0.2)  # its close callback has run
         assert next(stub.Watch(health_pb2.HealthCheckRequest(service="aclnn.v1.Aclnn"))).status == 1
+
+
+def test_idle_connections_to_the_metrics_port_pin_no_threads(serve, monkeypatch):
+    """The metrics port takes no credentials: 300 half-sent requests held 300 threads for good (red-team
+    finding). At most MAX_SCRAPES are served at once, each dropped after SCRAPE_TIMEOUT_S of silence."""
+    monkeypatch.setattr(metrics, "SCRAPE_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(metrics._QuietHandler, "timeout", 0.5)
+    served = serve(metrics_port=free_port())
+    port = served.server.metrics_port
+    before = threading.active_count()
+    idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(100)]
+    try:
+        for sock in idle:
+            sock.sendall(b"GET /metr")  # and nothing more
+        time.sleep(0.2)
+        assert threading.active_count() <= before + metrics.MAX_SCRAPES
+        time.sleep(1.0)  # the stalled ones are dropped
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+        assert "aclnn_requests_total" in text
+    finally:
+        for sock in idle:
+            sock.close()
 
 
 def test_reflection_lists_and_describes_the_service(serve):
