@@ -256,8 +256,17 @@ def test_errors_return_the_servers_status_and_message(native_prefix, compiled, s
     for ok in ("destroy_stream", "ok_again", "launch_after_refusal"):  # a refused launch leaves the executor usable
         assert cases[ok] == (0, ""), ok
     invalid = 100000  # ACL_ERROR_INVALID_PARAM: nothing was sent, nothing was dereferenced
-    for refused in ("destroy_stream_again", "synchronize_destroyed_stream"):
+    for refused in ("destroy_stream_again", "synchronize_destroyed_stream", "destroy_stale_stream"):
         assert cases[refused][0] == invalid and "not a live stream" in cases[refused][1], refused
+    # handles are never reused: a stale one was taken for the newer one at its address (found by a C session)
+    for ok in ("newer_stream_is_another", "newer_stream_lives", "launch_newer_executor"):
+        assert cases[ok] == (0, ""), ok
+    assert cases["launch_stale_executor"][0] == 161002 and "not a live executor" in cases["launch_stale_executor"][1]
+    assert cases["set_destroyed_context_after_another"][0] == invalid
+    # more than the server can hold is memory it lacks (CANN's answer, a program may try smaller); past any address,
+    # a wrong argument
+    assert cases["malloc_beyond_the_server"][0] == 207001 and cases["malloc_beyond_any_address"][0] == invalid
+    assert cases["memcpy_nothing_to_null"] == (0, "")
     for refused in ("memcpy_host_as_device", "memcpy_device_as_host", "memcpy_past_end", "memcpy_count_over_destMax"):
         assert cases[refused][0] == invalid, refused
     assert cases["free_inside"][0] == cases["use_after_free"][0] == cases["malloc_zero"][0] == invalid

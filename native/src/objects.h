@@ -32,9 +32,3 @@ struct aclBoolArray {
     std::vector<bool> values;
 };
 
-// A planned call on the server: its executor id there.
-struct aclOpExecutor {
-    std::string op;
-    std::string id;
-    bool repeatable = false;
-};

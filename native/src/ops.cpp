@@ -1,23 +1,28 @@
 // libopapi: the operators' two phases over the server's GetWorkspaceSize and Execute.
 #include "ops.h"
 
-#include <new>
+#include <atomic>
+#include <memory>
 
 #include "objects.h"
 
 namespace aclnn_remote {
 namespace {
 
-// The executors planned and not yet consumed by their single launch or destroyed.
-Registry<> live_executors;
+// A planned call on the server: its executor id there.
+struct Executor {
+    std::string op;
+    std::string id;
+    std::atomic<bool> repeatable{false};
+};
 
-bool live(aclOpExecutor *executor) { return live_executors.find(executor).has_value(); }
+// The executors planned and not yet consumed by their single launch or destroyed, by handle (new_handle:
+// a stale one never names a newer executor). A call holds its executor while it uses it.
+Registry<std::shared_ptr<Executor>> live_executors;
 
-// Forgets and frees an executor, unless another thread ended it first.
-void retire(aclOpExecutor *executor)
-{
-    if (live_executors.remove(executor)) delete executor;
-}
+std::shared_ptr<Executor> live(aclOpExecutor *executor) { return live_executors.find(executor).value_or(nullptr); }
+
+void retire(aclOpExecutor *executor) { live_executors.remove(executor); }
 
 const char *const kNotLive = "executor: not a live executor (a single-use one is consumed by its launch)";
 
@@ -81,28 +86,30 @@ aclnnStatus OpCall::plan(uint64_t *workspaceSize, aclOpExecutor **executor)
     aclnn::v1::WorkspacePlan reply;
     grpc::Status status = stub().GetWorkspaceSize(context().get(), call_, &reply);
     if (!status.ok()) return rpc_failure(status);
-    auto *planned = new (std::nothrow) aclOpExecutor;
-    if (!planned) return fail(ACLNN_ERR_INNER, "out of host memory");
+    auto *handle = static_cast<aclOpExecutor *>(new_handle());
+    if (!handle) return fail(ACLNN_ERR_INNER, "no executor handle left in this process");
+    auto planned = std::make_shared<Executor>();
     planned->op = call_.op();
     planned->id = reply.executor();
-    live_executors.add(planned);
+    live_executors.add(handle, planned);
     *workspaceSize = 0;
-    *executor = planned;
+    *executor = handle;
     return ACLNN_SUCCESS;
 }
 
 aclnnStatus launch(const char *op, aclOpExecutor *executor, aclrtStream stream)
 {
     if (!executor) return fail(ACLNN_ERR_PARAM_NULLPTR, "executor: is null");
-    if (!live(executor)) return fail(ACLNN_ERR_PARAM_INVALID, kNotLive);
-    if (executor->op != op) return fail(ACLNN_ERR_PARAM_INVALID, "executor: was planned for " + executor->op);
+    std::shared_ptr<Executor> planned = live(executor);
+    if (!planned) return fail(ACLNN_ERR_PARAM_INVALID, kNotLive);
+    if (planned->op != op) return fail(ACLNN_ERR_PARAM_INVALID, "executor: was planned for " + planned->op);
     int64_t on = stream_id(stream);
     if (on < 0) return fail(ACLNN_ERR_PARAM_INVALID, "stream: not a live stream (from aclrtCreateStream)");
     aclnn::v1::ExecuteRequest request;
-    request.set_executor(executor->id);
+    request.set_executor(planned->id);
     aclnn::v1::ExecuteResponse reply;
     grpc::Status status = stub().Execute(context(on).get(), request, &reply);
-    if (!executor->repeatable) retire(executor);  // single use: the launch consumed it
+    if (!planned->repeatable) retire(executor);  // single use: the launch consumed it
     return status.ok() ? ACLNN_SUCCESS : rpc_failure(status);
 }
 
@@ -114,13 +121,14 @@ aclnnStatus aclSetAclOpExecutorRepeatable(aclOpExecutor *executor)
 {
     using namespace aclnn_remote;
     if (!executor) return fail(ACLNN_ERR_PARAM_NULLPTR, "executor: is null");
-    if (!live(executor)) return fail(ACLNN_ERR_PARAM_INVALID, kNotLive);
+    std::shared_ptr<Executor> planned = live(executor);
+    if (!planned) return fail(ACLNN_ERR_PARAM_INVALID, kNotLive);
     aclnn::v1::ExecutorRef request;
-    request.set_executor(executor->id);
+    request.set_executor(planned->id);
     aclnn::v1::Empty reply;
     grpc::Status status = stub().SetExecutorRepeatable(context().get(), request, &reply);
     if (!status.ok()) return rpc_failure(status);
-    executor->repeatable = true;
+    planned->repeatable = true;
     return ACLNN_SUCCESS;
 }
 
@@ -128,9 +136,10 @@ aclnnStatus aclDestroyAclOpExecutor(aclOpExecutor *executor)
 {
     using namespace aclnn_remote;
     if (!executor) return fail(ACLNN_ERR_PARAM_NULLPTR, "executor: is null");
-    if (!live(executor)) return fail(ACLNN_ERR_PARAM_INVALID, kNotLive);
+    std::shared_ptr<Executor> planned = live(executor);
+    if (!planned) return fail(ACLNN_ERR_PARAM_INVALID, kNotLive);
     aclnn::v1::ExecutorRef request;
-    request.set_executor(executor->id);
+    request.set_executor(planned->id);
     aclnn::v1::Empty reply;
     grpc::Status status = stub().DestroyExecutor(context().get(), request, &reply);
     retire(executor);

@@ -47,6 +47,11 @@ private:
     std::map<const void *, Value> live_;
 };
 
+// A handle (stream, context, executor) no other handle ever was: an address in a reserved range no object
+// has, given out once, so a handle past its end never names a newer one (a freed object's address soon
+// is another's). Never dereferenced: the registries map it to what it stands for. Null when exhausted.
+void *new_handle();
+
 // Where device memory lives on the server: a buffer id and a byte offset into it.
 struct DeviceRef {
     std::string buffer;

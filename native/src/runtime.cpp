@@ -29,6 +29,9 @@ namespace {
 
 constexpr size_t kChunkBytes = 1 << 20;  // bytes per message of a streamed transfer
 constexpr size_t kAlign = 512;           // allocations start at multiples of this (as CANN's)
+constexpr size_t kMaxBytes = size_t{1} << 62;  // the most bytes anything addresses (SPEC 1.4)
+constexpr size_t kHandleSpace = size_t{1} << 36;  // reserved for handles: 2^33 of them, 8 bytes apart
+constexpr int kReconnectWaitMs = 1000;  // how long a call waits for a server that was unreachable
 constexpr auto kKeepAlive = std::chrono::seconds(10);
 
 thread_local std::string recent_error;
@@ -75,12 +78,6 @@ Connection *connect()
     } else {
         credentials = grpc::InsecureChannelCredentials();
     }
-    grpc::ChannelArguments arguments;
-    arguments.SetMaxReceiveMessageSize(-1);
-    arguments.SetMaxSendMessageSize(-1);
-    c->channel = grpc::CreateCustomChannel(grpc_target(environment("ACLNN_REMOTE_TARGET", "127.0.0.1:50051")),
-                                           credentials, arguments);
-    c->stub = aclnn::v1::Aclnn::NewStub(c->channel);
     std::string token_file = environment("ACLNN_REMOTE_TOKEN_FILE");
     if (!token_file.empty()) {
         c->token = read_file(token_file);
@@ -88,6 +85,20 @@ Connection *connect()
         c->token.erase(0, c->token.find_first_not_of(" \t\r\n"));
         c->token = c->token.substr(0, c->token.find_first_of("\r\n"));  // the file's first token
     }
+    grpc::ChannelArguments arguments;
+    // A token in clear goes straight to the server, never through an HTTP proxy, which would read it.
+    if (!c->token.empty() && roots.empty() && environment("ACLNN_REMOTE_TLS") != "1")
+        arguments.SetInt(GRPC_ARG_ENABLE_HTTP_PROXY, 0);
+    arguments.SetMaxReceiveMessageSize(-1);
+    arguments.SetMaxSendMessageSize(-1);
+    // A server back from a restart is reached within a second, as by the Python client (gRPC's default
+    // backoff grows to two minutes: calls failed for 16 s after a 100 s outage).
+    arguments.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
+    arguments.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
+    arguments.SetInt(GRPC_ARG_DNS_MIN_TIME_BETWEEN_RESOLUTIONS_MS, 1000);  // a name is asked again as often
+    c->channel = grpc::CreateCustomChannel(grpc_target(environment("ACLNN_REMOTE_TARGET", "127.0.0.1:50051")),
+                                           credentials, arguments);
+    c->stub = aclnn::v1::Aclnn::NewStub(c->channel);
     std::random_device random;
     std::ostringstream session;
     for (int i = 0; i < 4; i++) session << std::hex << static_cast<uint32_t>(random());
@@ -121,6 +132,16 @@ public:
             return start;
         }
         return 0;
+    }
+
+    // The buffer id of the allocation starting at `start` (false: none does).
+    bool starts(uintptr_t start, std::string *id)
+    {
+        std::lock_guard<std::mutex> lock(mu_);
+        auto it = live_.find(start);
+        if (it == live_.end()) return false;
+        *id = it->second.id;
+        return true;
     }
 
     // The buffer id of the allocation starting at `start` (false: none does), which is released.
@@ -217,7 +238,6 @@ void keep_alive()
     });
 }
 
-struct Stream {};  // a handle's identity; its id is the registry's
 std::atomic<int64_t> next_stream{1};
 Registry<int64_t> live_streams;  // created and not yet destroyed, with their ids
 std::atomic<int> initialized{0};
@@ -301,6 +321,7 @@ aclError read(void *dst, const DeviceRef &src, size_t count)
             in_order = false;
             continue;  // drained, then refused
         }
+        if (chunk.data().empty()) continue;  // (an empty copy's one chunk: dst may be null)
         std::memcpy(static_cast<char *>(dst) + received, chunk.data().data(), chunk.data().size());
         received += chunk.data().size();
     }
@@ -346,12 +367,30 @@ aclError not_a_stream(const char *function)
 
 }  // namespace
 
+void *new_handle()
+{
+    static const uintptr_t base = [] {
+        void *range = mmap(nullptr, kHandleSpace, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+        return range == MAP_FAILED ? uintptr_t{0} : reinterpret_cast<uintptr_t>(range);
+    }();
+    static std::atomic<uint64_t> next{0};
+    uint64_t n = next++;
+    return base && n < kHandleSpace / 8 ? reinterpret_cast<void *>(base + n * 8) : nullptr;
+}
+
 aclnn::v1::Aclnn::Stub &stub() { return *connection().stub; }
 
 std::unique_ptr<grpc::ClientContext> context(int64_t stream)
 {
     auto ctx = std::make_unique<grpc::ClientContext>();
     Connection &c = connection();
+    // A server back from a restart is tried at once, and the call waits for it a moment (else a call made
+    // between gRPC's reconnection attempts fails at once: 10 s after a 5 s outage, here); one still away
+    // answers the call UNAVAILABLE after that moment.
+    if (c.channel->GetState(false) == GRPC_CHANNEL_TRANSIENT_FAILURE) {
+        grpc::experimental::ChannelResetConnectionBackoff(c.channel.get());
+        c.channel->WaitForConnected(std::chrono::system_clock::now() + std::chrono::milliseconds(kReconnectWaitMs));
+    }
     ctx->AddMetadata("x-aclnn-session", c.session);
     if (!c.token.empty()) ctx->AddMetadata("authorization", "Bearer " + c.token);
     if (stream >= 0) ctx->AddMetadata("x-aclnn-stream", std::to_string(stream));
@@ -428,7 +467,8 @@ aclError aclrtCreateContext(aclrtContext *context, int32_t deviceId)
 {
     if (!context) return fail(ACL_ERROR_INVALID_PARAM, "aclrtCreateContext: context is null");
     if (deviceId != 0) return fail(ACL_ERROR_RT_INVALID_DEVICEID, "aclrtCreateContext: the server is device 0");
-    auto *created = new Context;
+    auto *created = static_cast<Context *>(new_handle());
+    if (!created) return fail(ACL_ERROR_RT_MEMORY_ALLOCATION, "aclrtCreateContext: no handle left in this process");
     contexts.add(created, false);
     device_set = true;
     current_context = created;  // a new context is the calling thread's current one
@@ -442,7 +482,6 @@ aclError aclrtDestroyContext(aclrtContext context)
     if (contexts.find(doomed).value_or(true) || !contexts.remove(doomed))  // unknown, the default, or ended meanwhile
         return fail(ACL_ERROR_INVALID_PARAM, "aclrtDestroyContext: not a context from aclrtCreateContext");
     if (current_context == doomed) current_context = nullptr;
-    delete doomed;
     return ACL_SUCCESS;
 }
 
@@ -494,7 +533,8 @@ aclError aclrtSynchronizeDevice(void) { return synchronize(-1); }
 aclError aclrtCreateStream(aclrtStream *stream)
 {
     if (!stream) return fail(ACL_ERROR_INVALID_PARAM, "aclrtCreateStream: stream is null");
-    auto *created = new Stream;
+    void *created = new_handle();
+    if (!created) return fail(ACL_ERROR_RT_MEMORY_ALLOCATION, "aclrtCreateStream: no handle left in this process");
     live_streams.add(created, next_stream++);
     *stream = created;
     return ACL_SUCCESS;
@@ -506,7 +546,7 @@ aclError aclrtDestroyStream(aclrtStream stream)
     int64_t id = stream_id(stream);
     if (id < 0) return not_a_stream("aclrtDestroyStream");
     aclError code = synchronize(id);  // its queued calls finish first, as on the device
-    if (live_streams.remove(stream)) delete static_cast<Stream *>(stream);  // unless destroyed meanwhile elsewhere
+    live_streams.remove(stream);  // unless destroyed meanwhile elsewhere
     return code;
 }
 
@@ -524,6 +564,10 @@ aclError aclrtMalloc(void **devPtr, size_t size, aclrtMemMallocPolicy)
     request.set_size(size);
     aclnn::v1::BufferInfo reply;
     grpc::Status status = stub().MallocBuffer(context().get(), request, &reply);
+    // A size the server can never hold (past its share or budget) is memory it lacks, as on a device; only
+    // a size past any address (2^62 bytes) is a wrong argument.
+    if (!status.ok() && size <= kMaxBytes && rpc_failure(status) == ACLNN_ERR_PARAM_INVALID)
+        return ACL_ERROR_RT_MEMORY_ALLOCATION;
     if (!status.ok()) return runtime_failure(status);
     uintptr_t start = address_space().take(size, reply.buffer());
     if (!start) {
@@ -541,11 +585,16 @@ aclError aclrtMalloc(void **devPtr, size_t size, aclrtMemMallocPolicy)
 aclError aclrtFree(void *devPtr)
 {
     if (!devPtr) return ACL_SUCCESS;
+    auto start = reinterpret_cast<uintptr_t>(devPtr);
     aclnn::v1::BufferRef request;
-    if (!address_space().release(reinterpret_cast<uintptr_t>(devPtr), request.mutable_buffer()))
+    if (!address_space().starts(start, request.mutable_buffer()))
         return fail(ACL_ERROR_INVALID_PARAM, "aclrtFree: not the start of a device allocation");
     aclnn::v1::Empty reply;
     grpc::Status status = stub().FreeBuffer(context().get(), request, &reply);
+    // Forgotten once the server let go of it (or knows it no more); a free that never reached the server
+    // leaves the pointer allocated, for the program to free again (forgotten, its buffer stayed held).
+    std::string id;
+    if (status.ok() || rpc_failure(status) == ACLNN_ERR_PARAM_INVALID) address_space().release(start, &id);
     return status.ok() ? ACL_SUCCESS : runtime_failure(status);
 }
 

@@ -60,10 +60,22 @@ int main()
     report("destroy_stream", aclrtDestroyStream(ended));
     report("destroy_stream_again", aclrtDestroyStream(ended));
     report("synchronize_destroyed_stream", aclrtSynchronizeStream(ended));
+    // A handle past its end never names a newer one, whatever addresses the library reuses.
+    aclrtStream newer = nullptr;
+    aclrtCreateStream(&newer);
+    report("newer_stream_is_another", newer != ended ? 0 : 1);
+    report("destroy_stale_stream", aclrtDestroyStream(ended));
+    report("newer_stream_lives", aclrtSynchronizeStream(newer));
+    aclrtDestroyStream(newer);
     report("ok_again", aclnnLayerNormBackwardGetWorkspaceSize(dy, x, norm, mean, rstd, nullptr, nullptr, mask, dx, dw, db,
                                                               &workspace, &executor));
     report("launch_on_destroyed_stream", aclnnLayerNormBackward(nullptr, workspace, executor, ended));
     report("launch_after_refusal", aclnnLayerNormBackward(nullptr, workspace, executor, stream));
+    aclOpExecutor *stale = executor, *next = nullptr;
+    aclnnLayerNormBackwardGetWorkspaceSize(dy, x, norm, mean, rstd, nullptr, nullptr, mask, dx, dw, db, &workspace,
+                                           &next);
+    report("launch_stale_executor", aclnnLayerNormBackward(nullptr, workspace, stale, stream));
+    report("launch_newer_executor", aclnnLayerNormBackward(nullptr, workspace, next, stream));
     report("memcpy_host_as_device", aclrtMemcpy(host, sizeof host, host, sizeof host, ACL_MEMCPY_HOST_TO_DEVICE));
     report("memcpy_device_as_host", aclrtMemcpy(device, 32, d + 32, 32, ACL_MEMCPY_HOST_TO_DEVICE));
     report("memcpy_past_end", aclrtMemcpy(host, sizeof host, d + 250, sizeof host, ACL_MEMCPY_DEVICE_TO_HOST));
@@ -73,6 +85,12 @@ int main()
     report("free", aclrtFree(device));
     report("use_after_free", aclrtMemcpy(host, sizeof host, device, sizeof host, ACL_MEMCPY_DEVICE_TO_HOST));
     report("malloc_zero", aclrtMalloc(&device, 0, ACL_MEM_MALLOC_HUGE_FIRST));
+    report("malloc_beyond_the_server", aclrtMalloc(&device, size_t{1} << 50, ACL_MEM_MALLOC_HUGE_FIRST));
+    report("malloc_beyond_any_address", aclrtMalloc(&device, (size_t{1} << 62) + 1, ACL_MEM_MALLOC_HUGE_FIRST));
+    void *small = nullptr;
+    aclrtMalloc(&small, 64, ACL_MEM_MALLOC_HUGE_FIRST);
+    report("memcpy_nothing_to_null", aclrtMemcpy(nullptr, 0, small, 0, ACL_MEMCPY_DEVICE_TO_HOST));
+    aclrtFree(small);
     report("set_device_1", aclrtSetDevice(1));
     // Contexts: the default one (aclrtSetDevice's), a created one, and handles that are not (live) contexts.
     aclrtContext first = nullptr, made = nullptr, current = nullptr, unused = nullptr;
@@ -86,6 +104,10 @@ int main()
     report("destroy_context_again", aclrtDestroyContext(made));
     report("destroy_default_context", aclrtDestroyContext(first));
     report("set_destroyed_context", aclrtSetCurrentContext(made));
+    aclrtContext later = nullptr;
+    aclrtCreateContext(&later, 0);
+    report("set_destroyed_context_after_another", later != made ? aclrtSetCurrentContext(made) : 0);
+    aclrtDestroyContext(later);
     report("create_context_null", aclrtCreateContext(nullptr, 0));
     report("create_context_device_1", aclrtCreateContext(&unused, 1));
     // ACL_MEMCPY_DEFAULT: the direction from the addresses, a freed allocation's refused.
