@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 import torch
 from oracle import BF16, assert_close
+from test_processes import free_port, start_server
 
 from aclnn_server import LocalClient
 from aclnn_server.backends.npu.acl import APIS
@@ -425,6 +426,39 @@ def test_every_parameter_kind(native_prefix, compiled, server_address, tmp_path,
             for name in outputs:
                 got = np.fromfile(tmp_path / f"{stem}.{name}.bin", np.float32).reshape(p[name].shape)
                 assert_close(got, p[name], f"{op} {name}")
+
+
+def test_a_program_carries_on_across_a_server_restart(native_prefix, compiled):
+    """A call while the server is away fails within about a second (ACL_ERROR_RT_INTERNAL_ERROR); the first
+    call once it is back on its port succeeds: gRPC's growing reconnection backoff kept calls failing for
+    10 s after a 5 s outage (found by a C session)."""
+    port = free_port()
+    server, address = start_server("--port", str(port))
+    env = {**os.environ, "ACLNN_REMOTE_TARGET": address, "LD_LIBRARY_PATH": str(native_prefix / "lib64")}
+    program = subprocess.Popen(
+        [str(compiled(PROGRAMS / "restart.cpp"))], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert program.stdout.readline() == "allocated\n"
+        server.kill()
+        server.wait()
+        for _ in range(4):  # calls while it is away, over some seconds of gRPC's backoff
+            program.stdin.write("d\n")
+            program.stdin.flush()
+            code, took = program.stdout.readline().split()[1:]
+            assert int(code) == 507000 and float(took) < 3
+            time.sleep(1)
+        server, _ = start_server("--port", str(port))
+        program.stdin.write("u\n")
+        program.stdin.flush()
+        code, took = program.stdout.readline().split()[1:]
+        assert int(code) == 0 and float(took) < 2
+        assert program.wait(timeout=30) == 0
+    finally:
+        program.kill()
+        server.kill()
+        program.wait()
+        server.wait()
 
 
 def test_a_process_that_exits_without_freeing_leaves_nothing(native_prefix, compiled, serve):

@@ -387,9 +387,14 @@ std::unique_ptr<grpc::ClientContext> context(int64_t stream)
     // A server back from a restart is tried at once, and the call waits for it a moment (else a call made
     // between gRPC's reconnection attempts fails at once: 10 s after a 5 s outage, here); one still away
     // answers the call UNAVAILABLE after that moment.
-    if (c.channel->GetState(false) == GRPC_CHANNEL_TRANSIENT_FAILURE) {
-        grpc::experimental::ChannelResetConnectionBackoff(c.channel.get());
-        c.channel->WaitForConnected(std::chrono::system_clock::now() + std::chrono::milliseconds(kReconnectWaitMs));
+    auto deadline = std::chrono::system_clock::now() + std::chrono::milliseconds(kReconnectWaitMs);
+    bool retried = false;
+    for (auto state = c.channel->GetState(true); state != GRPC_CHANNEL_READY; state = c.channel->GetState(true)) {
+        if (state == GRPC_CHANNEL_TRANSIENT_FAILURE && !retried) {
+            grpc::experimental::ChannelResetConnectionBackoff(c.channel.get());
+            retried = true;
+        }
+        if (!c.channel->WaitForStateChange(state, deadline)) break;
     }
     ctx->AddMetadata("x-aclnn-session", c.session);
     if (!c.token.empty()) ctx->AddMetadata("authorization", "Bearer " + c.token);
