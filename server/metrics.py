@@ -90,9 +90,9 @@ class Metrics:
 
     def serve(self, host: str, port: int) -> int:
         """Serves /metrics over HTTP; returns the bound port."""
-        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
         server_class = type("MetricsServer", (_MetricsServer,), {"address_family": family})
-        self._http = make_server(host, port, make_wsgi_app(self.registry), server_class, _QuietHandler)
+        self._http = make_server(address[0], port, make_wsgi_app(self.registry), server_class, _QuietHandler)
         threading.Thread(target=self._http.serve_forever, name="aclnn-metrics", daemon=True).start()
         return self._http.server_port
 
