@@ -8,6 +8,7 @@ import concurrent.futures
 import ctypes
 import errno
 import fcntl
+import mmap
 import os
 import pathlib
 import shutil
@@ -26,14 +27,16 @@ from test_attachments import attached_call, attached_inputs, attached_reply, exc
 from test_data_channel import OP, OUTPUTS, answers_keepalive, check, connect, error_of, reply, request, ticket
 from test_mailbox import closed_by_server, mailbox_maps, pass_mailbox
 from test_processes import broadcast_call
-from test_shared_memory import SEALS, memfd, refused, register, unix_connect
+from test_shared_memory import SEALS, memfd, refused, region_call, register, unix_connect
 from test_transport import wait_for
 from users import NOBODY, needs_root, start_as_user
 
 from aclnn_client import Client
 from aclnn_common._proto import aclnn_pb2 as pb
 from aclnn_common._proto import aclnn_pb2_grpc as pb_grpc
-from aclnn_common.framing import ATTACHED, CALL, HELD_MAILBOX_BYTES, IN_MAILBOX, MAGIC, MESSAGE_LENGTH, REPLY
+from aclnn_common.binding import bind
+from aclnn_common.chunks import byte_view
+from aclnn_common.framing import ATTACHED, CALL, HELD_MAILBOX_BYTES, IN_MAILBOX, MAGIC, MESSAGE_LENGTH, REPLY, aligned
 from aclnn_server.transport.data_channel import mailbox as data_channel_mailbox
 
 MIB = 1 << 20
@@ -706,3 +709,68 @@ def test_mailboxes_are_punched_outside_the_loops_lock(serve, monkeypatch):
     assert under_lock == [False, False, False]
     for fd in fds:
         os.close(fd)
+
+
+def _region_with_inputs(sock: socket.socket, p: dict, size: int) -> tuple[str, memoryview, dict[str, int], int]:
+    """A registered region holding the call's inputs: (its id, its mapping, their offsets, the first free byte)."""
+    fd = memfd(size)
+    view = mmap.mmap(fd, size)
+    ok, region = register(sock, [fd], size)
+    assert ok, region
+    os.close(fd)
+    offsets, free = {}, 0
+    for name, tensor in bind(OP, p, frozenset(OUTPUTS)).inputs().items():
+        data = byte_view(tensor.data)
+        offsets[name] = free
+        view[free : free + data.nbytes] = bytes(data)
+        free = aligned(free + data.nbytes)
+    return region.decode(), view, offsets, free
+
+
+def test_a_repeat_is_refused_as_its_call_in_full_would_be(serve, rng):
+    """A Run served again from its connection's repeats: the same message sent without an attached part,
+    with results placed attached, was answered with a reply naming results that never came; in full it is
+    161002 (red-team finding: the repeat skipped the check)."""
+    served = serve()
+    with unix_connect(ticket(served.address, "s")) as sock:
+        p = layer_norm_call(rng, (16, 32))
+        region, _, offsets, _ = _region_with_inputs(sock, p, 1 << 20)
+        call = region_call(p, region, offsets)
+        for name in OUTPUTS:
+            call.placements[name].attached = True
+        message = call.SerializeToString()
+        assert exchange(sock, "Run", message, b"")[0]  # in full, with its (empty) attached part
+        payload = b"\x03Run" + message  # the same message, with no attached part at all
+        sock.sendall(request(CALL, len(payload)) + payload)
+        ok, answer = reply(sock)
+        assert not ok and "attached results come only with" in error_of(answer).message
+        assert answers_keepalive(sock)
+
+
+def test_attached_false_is_an_inline_result_limited_and_held_as_one(serve, rng):
+    """`attached: false` puts a result in the reply's message: it was counted as sent beside it, past the
+    message limit (an 8 MiB result under a 4 MiB limit) and outside the ledger."""
+    served = serve(max_message_bytes=4 * MIB)
+    with unix_connect(ticket(served.address, "s")) as sock:
+        p = layer_norm_call(rng, (1024, 2048))  # gradInputOut: 8 MiB
+        region, _, offsets, _ = _region_with_inputs(sock, p, 32 * MIB)
+        for attached in (None, False):
+            call = region_call(p, region, offsets)
+            if attached is not None:
+                for name in OUTPUTS:
+                    call.placements[name].attached = attached
+            ok, answer = exchange(sock, "Run", call.SerializeToString(), b"")
+            assert not ok and "exceed the max message size" in error_of(answer).message
+
+
+def test_a_tensor_with_inline_bytes_and_a_ref_is_refused(serve, rng):
+    """Which of two storages a call reads is no guess: in full it read the inline bytes, its repeats the ref."""
+    served = serve()
+    with unix_connect(ticket(served.address, "s")) as sock:
+        p = layer_norm_call(rng, (4, 8))
+        region, _, offsets, _ = _region_with_inputs(sock, p, 1 << 20)
+        call = region_call(p, region, offsets)
+        call.params["gradOut"].tensor.data = p["gradOut"].tobytes()
+        ok, answer = exchange(sock, "Run", call.SerializeToString(), b"")
+        error = error_of(answer)
+        assert not ok and (error.code, error.param) == (161002, "gradOut") and "not both" in error.message

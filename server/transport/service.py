@@ -77,10 +77,14 @@ def placed(placements: Mapping[str, pb.OutputPlacement], call: CallContext) -> N
     which of them are kept."""
     if placements:
         call.kept = frozenset(name for name, p in placements.items() if p.keep_on_server)
-        call.placed = call.kept | {name for name, p in placements.items() if p.WhichOneof("kind") in _BESIDE}
+        call.placed = call.kept | {name for name, p in placements.items() if _beside(p)}
 
 
-_BESIDE = frozenset({"region", "attached"})
+def _beside(placement: pb.OutputPlacement) -> bool:
+    """Whether an output goes outside the reply's message: into a region, or attached (`attached: false`
+    is a placement in the message, as _place sends it, held and limited as one)."""
+    kind = placement.WhichOneof("kind")
+    return kind == "region" or (kind == "attached" and placement.attached)
 
 
 def attach_result(call: CallContext, offset: int, data: np.ndarray) -> None:
@@ -285,7 +289,9 @@ class AclnnService:
             return None
         session = self._session_of(call)
         attached = run.attached_storage(call.attachment)
-        if attached is None:  # a range outside this request's attached part: the call in full says so
+        # A range outside this request's attached part, or results attached to a call that attaches nothing
+        # (the same message sent without its part): the call in full says so.
+        if attached is None or (run.attached_results and call.attachment is None):
             return None
         try:
             storage = {name: region_slice(session.regions, *where) for name, where in run.inputs}

@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from aclnn_common._proto import aclnn_pb2 as pb
+from aclnn_common.errors import invalid_error
 from aclnn_common.tensor import BoolArray, IntArray, Tensor, Value
 from aclnn_common.types import data_type_of
 
@@ -18,6 +19,8 @@ StorageResolver = Callable[[pb.StorageRef, str], Any]  # a tensor's StorageRef, 
 
 def decode_tensor(message: pb.Tensor, resolve: StorageResolver, name: str) -> Tensor:
     """Parameter `name`'s tensor; bytes held on the server (`ref`) are looked up through `resolve`."""
+    if message.HasField("data") and message.HasField("ref"):  # two storages: which one the call reads is no guess
+        raise invalid_error(name, "a tensor's storage is its inline data or its ref, not both")
     if message.HasField("data"):
         data = message.data
     else:
