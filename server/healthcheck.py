@@ -162,7 +162,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if config is not None and not config.is_file():
             raise ProbeError(f"--config {config} is not a readable file")
-        options = load_options(flags, config)
+        # The probe serves nothing: a non-loopback --host without TLS or tokens is the server's to refuse.
+        options = load_options({**flags, "insecure": True}, config)
         address = target(options)
         with channel(options, address, probe) as server:
             reply = health_pb2_grpc.HealthStub(server).Check(
