@@ -21,14 +21,18 @@ Send = Callable[[health_pb2.HealthCheckResponse], None]
 
 
 class HealthService(health_pb2_grpc.HealthServicer):
-    def __init__(self, services: Iterable[str], max_watches: int | None = None) -> None:
+    """`services`' statuses, NOT_SERVING until `set`."""
+
+    def __init__(self, services: Iterable[str]) -> None:
         self._lock = threading.Lock()
         self._status = dict.fromkeys(services, health_pb2.HealthCheckResponse.NOT_SERVING)
         self._watches: dict[str, set[Send]] = {service: set() for service in self._status}
-        self._max_watches = MAX_WATCHES if max_watches is None else max_watches
+        self._max_watches = MAX_WATCHES
         self._shutting_down = False
 
-    def Check(self, request: health_pb2.HealthCheckRequest, context: grpc.ServicerContext):
+    def Check(
+        self, request: health_pb2.HealthCheckRequest, context: grpc.ServicerContext
+    ) -> health_pb2.HealthCheckResponse:
         with self._lock:
             status = self._status.get(request.service)
         if status is None:
