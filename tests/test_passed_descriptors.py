@@ -28,9 +28,24 @@ OP = "aclnnLayerNormBackward"
 
 # A TCP socket whose last close waits `linger` seconds: SO_LINGER set and its send queue full, towards
 # a peer that never reads. The attacker keeps the peer, and gives its own copy of the socket away.
+# And a connection the server has asked to pass a region's memfd.
 LINGERING = """
 import struct
 import threading
+
+from aclnn_common.framing import MAGIC, REGION, REGISTER_REGION, REQUEST
+from test_data_channel import reply
+
+
+def asked_to_pass(offer):
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(10)
+    sock.connect(offer.unix_path)
+    sock.sendall(MAGIC + offer.ticket)
+    assert reply(sock)[0]
+    sock.sendall(REQUEST.pack(REGISTER_REGION, 0, 0, 0, REGION.size) + REGION.pack(4096))
+    assert reply(sock) == (True, b"")
+    return sock
 
 
 def lingering(linger):
@@ -103,16 +118,8 @@ def test_a_lingering_descriptor_in_a_registration_stalls_no_one(server_process):
         NOBODY,
         LINGERING
         + textwrap.dedent(f"""
-        from aclnn_common.framing import MAGIC, REGION, REGISTER_REGION, REQUEST
-        from test_data_channel import reply, ticket
-        offer = ticket({address!r}, "mallory")
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.settimeout(10)
-        sock.connect(offer.unix_path)
-        sock.sendall(MAGIC + offer.ticket)
-        assert reply(sock)[0]
-        sock.sendall(REQUEST.pack(REGISTER_REGION, 0, 0, 0, REGION.size) + REGION.pack(4096))
-        assert reply(sock) == (True, b"")
+        from test_data_channel import ticket
+        sock = asked_to_pass(ticket({address!r}, "mallory"))
         stuck, keep = lingering(60)
         started = time.monotonic()
         socket.send_fds(sock, [b"\\0"], [stuck.fileno()])
@@ -155,21 +162,14 @@ def test_a_lingering_descriptor_queued_behind_a_registration_stalls_no_one(serve
         LINGERING
         + textwrap.dedent(f"""
         import fcntl
-        from aclnn_common.framing import MAGIC, REGION, REGISTER_REGION, REQUEST
-        from test_data_channel import reply, ticket
+        from test_data_channel import ticket
         offer = ticket({address!r}, "mallory")
         for attempt in range(100):
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            sock.settimeout(10)
-            sock.connect(offer.unix_path)
-            sock.sendall(MAGIC + offer.ticket)
-            assert reply(sock)[0]
             memfd = os.memfd_create("region", os.MFD_ALLOW_SEALING)
             os.ftruncate(memfd, 4096)
             fcntl.fcntl(memfd, fcntl.F_ADD_SEALS, {SEALS})
             stuck, keep = lingering(10)
-            sock.sendall(REQUEST.pack(REGISTER_REGION, 0, 0, 0, REGION.size) + REGION.pack(4096))
-            assert reply(sock) == (True, b"")
+            sock = asked_to_pass(offer)  # passing is on from here until the server has received one message
             socket.send_fds(sock, [b"\\0"], [memfd])
             try:
                 socket.send_fds(sock, [b"\\0"], [stuck.fileno()])
