@@ -234,11 +234,10 @@ def batch_norm_with_id(
         raise ValueError(f"batch_norm eps must be non-negative, but got {eps}")
     elif running_mean is None or running_var is None:
         raise ValueError("running_mean and running_var must be defined in evaluation mode")
-    if input.numel() == 0:
-        # Nothing to normalize: aten's batch_norm answers input·weight[0] + bias[0] (empty, but on the
-        # autograd graph), running statistics untouched; there is no backward to send anywhere.
-        return torch.nn.functional.batch_norm(input, running_mean, running_var, weight, bias, training, momentum, eps)
-    if not compiling() and transformed():
+    if input.numel() == 0 or transformed():
+        # Nothing to normalize (aten's batch_norm answers input·weight[0] + bias[0], empty but on the
+        # autograd graph, running statistics untouched: no backward to send anywhere), or a transform
+        # the service's results cannot carry (eager.transformed): PyTorch's own.
         return torch.nn.functional.batch_norm(input, running_mean, running_var, weight, bias, training, momentum, eps)
     out, _, _, new_mean, new_var = (_batch_norm_op if compiling() else _batch_norm_eager)(
         input, weight, bias, running_mean, running_var, training, float(momentum), eps, cid

@@ -47,5 +47,6 @@ def transformed() -> bool:
     """Whether a torch.func transform (vmap, grad, jvp, jacrev, functionalize) or forward-mode AD is
     active: the offloaded Function has no batching rule and no jvp, and the service's results carry
     neither, so the layer then runs PyTorch's own implementation, forward and backward (as a
-    gradient differentiated again runs PyTorch's formula: local.py). Never true while compiling."""
-    return torch._C._are_functorch_transforms_active() or forward_ad._current_level >= 0
+    gradient differentiated again runs PyTorch's formula: local.py). Never true while compiling
+    (which traces the custom ops; the check is not traced)."""
+    return not compiling() and (torch._C._are_functorch_transforms_active() or forward_ad._current_level >= 0)

@@ -152,7 +152,7 @@ def group_norm_with_id(
     size = [input.shape[0] * input.shape[1] // num_groups, num_groups, *input.shape[2:]]
     if size[0] * math.prod(size[2:]) == 1:
         raise ValueError(f"Expected more than 1 value per channel when training, got input size {size}")
-    if not compiling() and transformed():
+    if transformed():
         return F.group_norm(input, num_groups, weight, bias, eps)
     # aten's group_norm makes the input contiguous before native_group_norm, which needs it: in its
     # suggested memory format on the CPU (channels_last stays so, and so does the output), else NCHW

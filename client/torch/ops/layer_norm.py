@@ -138,8 +138,6 @@ def layer_norm_with_id(
     cid: int,
 ) -> Tensor:
     shape = [normalized_shape] if isinstance(normalized_shape, int) else list(normalized_shape)
-    if compiling():
-        return _layer_norm_op(input, shape, weight, bias, eps, cid)[0]
     if transformed():
         return F.layer_norm(input, shape, weight, bias, eps)
-    return _layer_norm_eager(input, shape, weight, bias, eps, cid)[0]
+    return (_layer_norm_op if compiling() else _layer_norm_eager)(input, shape, weight, bias, eps, cid)[0]

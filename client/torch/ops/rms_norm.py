@@ -131,11 +131,9 @@ def rms_norm_with_id(
 ) -> Tensor:
     shape = [normalized_shape] if isinstance(normalized_shape, int) else list(normalized_shape)
     _check_rms_norm_inputs(input, shape, weight)
-    if compiling():
-        return _rms_norm_op(input, shape, weight, eps, cid)[0]
     if transformed():
         return F.rms_norm(input, shape, weight, eps)
-    return _rms_norm_eager(input, shape, weight, eps, cid)[0]
+    return (_rms_norm_op if compiling() else _rms_norm_eager)(input, shape, weight, eps, cid)[0]
 
 
 def _check_rms_norm_inputs(input: Tensor, shape: list[int], weight: Tensor | None) -> None:
