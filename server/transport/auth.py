@@ -61,7 +61,7 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):
     """
 
     def __init__(self, tokens: frozenset[str], refusal_pool: futures.ThreadPoolExecutor) -> None:
-        self._digests = [hashlib.sha256(t.encode()).digest() for t in tokens]
+        self.replace(tokens)
         self._refusal_pool = refusal_pool
 
     def replace(self, tokens: frozenset[str]) -> None:
@@ -143,13 +143,26 @@ def parse_peer(peer: str) -> tuple[ipaddress.IPv4Address | ipaddress.IPv6Address
         return None
     host, _, port = urllib.parse.unquote(address).rpartition(":")
     try:
-        ip = ipaddress.ip_address(host.removeprefix("[").removesuffix("]"))
-        number = int(port)
+        return _address(host.removeprefix("[").removesuffix("]")), int(port)
     except ValueError:
         return None
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped
-    return ip, number
+
+
+def _address(text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
+    """An IP address, an IPv4-mapped IPv6 one as the IPv4 address it is (dual-stack sockets report those)."""
+    ip = ipaddress.ip_address(text)
+    return ip.ipv4_mapped if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None else ip
+
+
+def connection_user(sock: socket.socket) -> int | None:
+    """The uid owning the client end of an accepted TCP connection from this host (loopback), else None."""
+    try:
+        client, client_port = sock.getpeername()[:2]
+        server, server_port = sock.getsockname()[:2]
+        client_ip, server_ip = _address(client), _address(server)
+    except (OSError, ValueError, TypeError):
+        return None
+    return local_socket_uid(client_ip, client_port, server_ip, server_port) if client_ip.is_loopback else None
 
 
 def peer_identity(peer: str, server_host: str, server_port: int) -> str | None:

@@ -27,7 +27,6 @@ class HealthService(health_pb2_grpc.HealthServicer):
         self._lock = threading.Lock()
         self._status = dict.fromkeys(services, health_pb2.HealthCheckResponse.NOT_SERVING)
         self._watches: dict[str, set[Send]] = {service: set() for service in self._status}
-        self._max_watches = MAX_WATCHES
         self._shutting_down = False
 
     def Check(
@@ -45,13 +44,13 @@ class HealthService(health_pb2_grpc.HealthServicer):
         service = request.service
         with self._lock:
             status = self._status.get(service)
-            room = sum(map(len, self._watches.values())) < self._max_watches
+            room = sum(map(len, self._watches.values())) < MAX_WATCHES
             if status is not None and room:
                 self._watches[service].add(send)
         if status is None:
             context.abort(grpc.StatusCode.NOT_FOUND, f"no service {service[:80]!r} here")
         if not room:
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{self._max_watches} health watches are open")
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{MAX_WATCHES} health watches are open")
         if not context.add_callback(lambda: self._forget(service, send)):
             self._forget(service, send)  # gone already
             return

@@ -22,7 +22,6 @@ from __future__ import annotations
 import collections
 import errno
 import functools
-import ipaddress
 import logging
 import os
 import select
@@ -42,7 +41,7 @@ from aclnn_common.framing import MAGIC, MAILBOX_MAX_BYTES, REPLY, ConnectionLost
 
 from ...config import OptionError, options_at_fault
 from ...engine import CallContext
-from ..auth import local_socket_uid
+from ..auth import connection_user
 from ..service import AclnnService, loggable
 from .connection import Connection, Limits, ProtocolError
 from .descriptors import Broker, Unexpected, refuse_passing
@@ -553,14 +552,7 @@ def _local_user(conn: Connection) -> str | None:
     loopback TCP connection's client end; None for a peer on another host."""
     if conn.peer is not None:
         return f"uid:{conn.peer[1]}"
-    try:
-        client, client_port = conn.sock.getpeername()[:2]
-        server, server_port = conn.sock.getsockname()[:2]
-        ends = [ipaddress.ip_address(address) for address in (client, server)]
-    except (OSError, ValueError, TypeError):
-        return None
-    ends = [a.ipv4_mapped if isinstance(a, ipaddress.IPv6Address) and a.ipv4_mapped else a for a in ends]
-    uid = local_socket_uid(ends[0], client_port, ends[1], server_port) if ends[0].is_loopback else None
+    uid = None if conn.unix else connection_user(conn.sock)
     return None if uid is None else f"uid:{uid}"
 
 
