@@ -18,8 +18,8 @@
 namespace aclnn_remote {
 
 // The handles of one kind a program holds (streams, contexts, executors): those made and not yet
-// ended, each with what the library keeps of it (if anything). A stale or foreign handle is refused rather than
-// read after it was freed; only the caller whose `remove` succeeds may free it.
+// ended, each with what the library keeps of it (if anything). A stale or foreign handle is refused; handles
+// are never reused (new_handle), so a stale one cannot name a newer handle's value.
 template <typename Value = std::monostate>
 class Registry {
 public:
