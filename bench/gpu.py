@@ -7,7 +7,8 @@ Timings first (LayerNorm backward, rows x cols fp32, medians):
 - in process (LocalClient, host arrays in and out) against PyTorch's own CUDA kernel with the same
   copies (the inputs' host->device copies, aten's native_layer_norm_backward, device->host copies
   into the same output arrays). Target: <= 1.2x.
-- the kernels alone (CUDA events): aten's, and the backend's formula on device tensors.
+- the kernels alone (CUDA events): aten's, and the backend's formula on device tensors (the fused
+  Triton kernels, and the torch-op formula they replace).
 - on device buffers: in process and through a local server process (the call queued on a stream,
   then synchronize), and through the server shipping the tensors. Target: device-resident through
   the server <= kernel time + 1 ms.
@@ -20,9 +21,11 @@ of a rank-2 input differs on CUDA (the old backend's four failing cases).
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
 import os
 import pathlib
+import pstats
 import re
 import statistics
 import subprocess
@@ -37,7 +40,7 @@ from device_memory import start_server, tensor
 
 from aclnn_client import Client
 from aclnn_server import LocalClient
-from aclnn_server.backends.torch_backend import TorchBackend
+from aclnn_server.backends.torch_backend import TorchBackend, fused
 from aclnn_server.backends.torch_backend.formulas import FORMULAS, Call
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -128,6 +131,9 @@ def timings(device: str, rows: int, cols: int, rounds: int, profile: bool = Fals
     local = LocalClient(backend)
     ms: dict[str, float] = {}
 
+    started = time.perf_counter()  # Triton compiles the fused kernels (or loads them from its disk cache)
+    local.run("aclnnLayerNormBackward", **host)
+    ms["in process, the first call"] = (time.perf_counter() - started) * 1e3
     ms["in process, host arrays (LocalClient)"] = median_ms(lambda: local.run("aclnnLayerNormBackward", **host), rounds)
     wide = [torch.from_numpy(a).double() for a in (dy, x, mean, rstd, w, b)]
     ref = torch.ops.aten.native_layer_norm_backward(wide[0], wide[1], [cols], *wide[2:], [True] * 3)
@@ -162,6 +168,9 @@ def timings(device: str, rows: int, cols: int, rounds: int, profile: bool = Fals
 
     with torch.no_grad():
         ms["kernel alone: the backend's formula"] = event_ms(formula, 50)
+        fused.ENABLED = False  # the torch-op formula that the fused kernels replace on CUDA
+        ms["kernel alone: the torch-op formula (ACLNN_TORCH_FUSED=0)"] = event_ms(formula, 50)
+        fused.ENABLED = True
         if profile and torch.cuda.is_available():  # where the formula's time goes, kernel by kernel
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
                 formula()
@@ -198,6 +207,11 @@ def timings(device: str, rows: int, cols: int, rounds: int, profile: bool = Fals
         return call, queued, bufs
 
     call, queued, _ = on_device(local)
+    if profile and torch.cuda.is_available():  # where a call on device buffers spends its time beyond the kernels
+        call(None)
+        profiler = cProfile.Profile()
+        profiler.runcall(lambda: [call(None) for _ in range(50)])
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
     ms["device buffers, in process (run + synchronize)"] = median_ms(call, rounds * 4)
     ms["device buffers, in process (run without a stream)"] = median_ms(lambda: call(None), rounds * 4)
     ms["device buffers, in process, per call of 10 queued"] = median_ms(queued, rounds) / 10
@@ -209,6 +223,7 @@ def timings(device: str, rows: int, cols: int, rounds: int, profile: bool = Fals
         ms["device buffers, local server (run + synchronize)"] = median_ms(call, rounds * 4)
         ms["device buffers, local server (run without a stream)"] = median_ms(lambda: call(None), rounds * 4)
         ms["device buffers, local server, per call of 10 queued"] = median_ms(queued, rounds) / 10
+        ms["one round trip, local server (synchronize an idle stream)"] = median_ms(lambda: client.synchronize(2), 60)
         back = np.empty_like(x)
         client.memcpy(back, bufs["dx"])
         errors["dx (server, device buffers)"] = float(
@@ -221,6 +236,21 @@ def timings(device: str, rows: int, cols: int, rounds: int, profile: bool = Fals
     finally:
         proc.terminate()
         proc.wait()
+    os.environ["ACLNN_TORCH_FUSED"] = "0"  # the same server running the torch-op formula, for comparison
+    proc, address = start_server("torch")
+    try:
+        client = Client(address)
+        call, _, _ = on_device(client)
+        ms["device buffers, local server, torch-op formula (run + synchronize)"] = median_ms(call, rounds * 4)
+        ms["device buffers, local server, torch-op formula (run without a stream)"] = median_ms(
+            lambda: call(None), rounds * 4
+        )
+        client.close()
+    finally:
+        del os.environ["ACLNN_TORCH_FUSED"]
+        proc.terminate()
+        proc.wait()
+    ms["one round trip, in process (synchronize an idle stream)"] = median_ms(lambda: local.synchronize(2), 60)
     local.close()
     return ms | {f"relative error {n}": e for n, e in errors.items()}
 

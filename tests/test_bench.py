@@ -1,5 +1,5 @@
 """bench/transport.py's sweep report: its table, its plot and its turn order, on made-up timings
-(the benchmark itself is run by hand; see bench/README.md)."""
+(the benchmark itself is run by hand; see bench/README.md); and bench/gpu.py's dry run on the cpu."""
 
 from __future__ import annotations
 
@@ -68,3 +68,26 @@ def test_turns_follow_each_path_after_every_other_equally(transport, paths):
         pairs.update(itertools.pairwise(order))
     assert set(pairs.values()) == {turns // paths}
     assert len(pairs) == paths * (paths - 1)
+
+
+def test_the_gpu_script_runs_dry_on_the_cpu(tmp_path):
+    """bench/gpu.py runs where a GPU is lent for minutes: its dry run here (torch's cpu device, two
+    local server processes) must reach every timing, with results the float64 oracle accepts."""
+    import json
+    import subprocess
+
+    done = subprocess.run(
+        [sys.executable, str(BENCH / "gpu.py"), "--device", "cpu", "--rows", "64", "--cols", "96",
+         "--rounds", "1", "--skip-tests", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = json.loads((tmp_path / "results.json").read_text())
+    timings = report["timings_ms"]
+    for row in ("in process, the first call", "kernel alone: the torch-op formula (ACLNN_TORCH_FUSED=0)",
+                "device buffers, local server (run + synchronize)",
+                "device buffers, local server, torch-op formula (run without a stream)",
+                "one round trip, local server (synchronize an idle stream)"):  # fmt: skip
+        assert timings[row] > 0, row
+    errors = {name: value for name, value in timings.items() if name.startswith("relative error")}
+    assert len(errors) == 4 and max(errors.values()) < 1e-5, errors

@@ -12,6 +12,7 @@ from oracle import BF16, assert_close
 from rms_norm_cases import rms_norm_call
 from test_device_memory import on_device
 
+from aclnn_client import DataType, Format, create_tensor
 from aclnn_server import LocalClient
 from aclnn_server.backends.torch_backend import TorchBackend
 
@@ -90,3 +91,50 @@ def test_streams_run_concurrently_and_synchronize_waits(cuda_backend, rng):
             c.memcpy(y, yb)
             xf = x.astype(np.float64)
             assert_close(y, (xf - xf.mean(1, keepdims=True)) / np.sqrt(xf.var(1, keepdims=True) + 1e-5), "out")
+
+
+@pytest.mark.parametrize("weight", ["same", None], ids=["weight", "no-weight"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, BF16], ids=str)
+@pytest.mark.parametrize("shape", [(1, 1), (7, 5), (96, 300), (130, 4096), (3, 9000)], ids=str)
+def test_fused_layer_norm_backward_matches_the_oracle_and_repeats_bit_for_bit(cuda_backend, rng, shape, dtype, weight):
+    """On CUDA the fp32 pass runs the fused Triton kernels (fused.py): rows wider than one chunk
+    (9000 > 4096), row counts that end mid-run (130 = 2·64 + 2), no weight; a second call gives
+    the same bits."""
+    from aclnn_server.backends.torch_backend import fused
+
+    ran = []
+    original = fused.layer_norm_backward
+    fused.layer_norm_backward = lambda c, m, n: ran.append((m, n)) or original(c, m, n)
+    try:
+        p = layer_norm_call(rng, shape, 1, dtype, weight)
+        again = {k: (v.copy() if isinstance(v, np.ndarray) else v) for k, v in p.items()}
+        with LocalClient(cuda_backend) as c:
+            c.run("aclnnLayerNormBackward", **p)
+            c.run("aclnnLayerNormBackward", **again)
+    finally:
+        fused.layer_norm_backward = original
+    assert ran == [(shape[0], shape[1])] * 2
+    for name, ref in zip(("gradInputOut", "gradWeightOut", "gradBiasOut"), layer_norm_reference(p)):
+        assert_close(p[name], ref, name)
+        assert p[name].tobytes() == again[name].tobytes(), name
+
+
+def test_fused_layer_norm_backward_reads_strided_device_views(cuda_backend, rng):
+    """gradOut as a transposed view of a device buffer (column stride ≠ 1) is read through a copy."""
+    rows, cols = 48, 80
+    p = layer_norm_call(rng, (rows, cols), 1, np.float32)
+    with LocalClient(cuda_backend) as c:
+        names = ("gradOut", "input", "mean", "rstd", "weightOptional", "biasOptional")
+        bufs = {n: c.malloc(p[n].nbytes) for n in names}
+        for n in names:
+            c.memcpy(bufs[n], np.ascontiguousarray(p[n].T) if n == "gradOut" else p[n])
+        outs = {n: c.malloc(p[n].nbytes) for n in ("gradInputOut", "gradWeightOut", "gradBiasOut")}
+        args = {n: on_device(bufs[n], p[n].shape) for n in names if n != "gradOut"}
+        transposed = create_tensor((rows, cols), DataType.FLOAT, [1, rows], 0, Format.ND, (cols, rows), bufs["gradOut"])
+        args["gradOut"] = transposed
+        args.update({n: on_device(outs[n], p[n].shape) for n in outs})
+        c.run("aclnnLayerNormBackward", normalizedShape=[cols], outputMask=[True] * 3, **args)
+        for name, ref in zip(outs, layer_norm_reference(p)):
+            got = np.empty_like(p[name])
+            c.memcpy(got, outs[name])
+            assert_close(got, ref, name)

@@ -83,7 +83,7 @@ def test_rms_norm_of_a_long_row_keeps_its_accuracy(torch_backend):
 def test_without_torch_the_error_is_clear(monkeypatch):
     monkeypatch.setitem(sys.modules, "torch", None)
     with pytest.raises(RuntimeError, match="torch backend needs PyTorch"):
-        TorchBackend("cpu")
+        TorchBackend(TORCH_DEVICE)
 
 
 def test_unusable_devices_are_clear_errors(monkeypatch):

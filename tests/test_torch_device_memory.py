@@ -185,3 +185,32 @@ def test_in_place_gradient_over_its_input(torch_backend, rng):
         c.memcpy(p["gradInputOut"], call["gradOut"].data)
     for name, r in zip(("gradInputOut", "gradWeightOut", "gradBiasOut"), ref):
         assert_close(p[name], r, name)
+
+
+def test_one_buffer_holds_tensors_of_several_dtypes(torch_backend, rng):
+    """fp16 and fp32 tensors side by side in one buffer, at offsets that are multiples of their own
+    element size only (the fp32 statistics at byte 4 mod 8): each is its own dtype's view, twice."""
+    rows, cols = 5, 6
+    x = rng.uniform(-2, 2, (rows, cols)).astype(np.float16)
+    gamma = rng.uniform(0.5, 1.5, cols).astype(np.float16)
+    x_at, gamma_at, y_at, rstd_at = 2, 2 + x.nbytes, 2 + x.nbytes + gamma.nbytes, 4 * 35  # 140: 4 mod 8
+    with LocalClient(torch_backend) as c:
+        buf = c.malloc(rstd_at + 4 * rows)
+        c.memcpy(buf + x_at, x)
+        c.memcpy(buf + gamma_at, gamma)
+        for stream in (4, 5):
+            c.run("aclnnRmsNorm", x=on_device(buf + x_at, x.shape, DataType.FLOAT16), epsilon=1e-6,
+                  gamma=on_device(buf + gamma_at, gamma.shape, DataType.FLOAT16),
+                  yOut=on_device(buf + y_at, x.shape, DataType.FLOAT16),
+                  rstdOut=on_device(buf + rstd_at, (rows, 1)), stream=stream)  # fmt: skip
+            c.synchronize(stream)
+            y, rstd = np.empty_like(x), np.empty((rows, 1), np.float32)
+            c.memcpy(y, buf + y_at)
+            c.memcpy(rstd, buf + rstd_at)
+            back = np.empty_like(x)
+            c.memcpy(back, buf + x_at)
+            assert back.tobytes() == x.tobytes(), "the input's bytes changed"
+    xs = x.astype(np.float64)
+    ref_rstd = 1 / np.sqrt((xs**2).mean(1, keepdims=True) + 1e-6)
+    assert_close(rstd, ref_rstd, "rstdOut")
+    assert_close(y, xs * ref_rstd * gamma.astype(np.float64), "yOut")

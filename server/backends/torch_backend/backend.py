@@ -17,6 +17,7 @@ cannot hold a call's squares, or its inputs hold Inf/NaN, a queued call gives fp
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -154,8 +155,8 @@ class TorchBackend:
         torch = self.torch
         call = Call(torch, values, shapes, wide=False, destinations=into)
         formula(call, plan)
-        flag = call.out_of_range()
-        if flag is None or not bool(flag):
+        checksum = call.checksum()
+        if checksum is None or math.isfinite(float(checksum)):  # one value read back
             return call
         wide = {name: v.to(self.wide_device) if isinstance(v, torch.Tensor) else v for name, v in values.items()}
         call = Call(torch, wide, shapes, wide=True)
@@ -190,6 +191,7 @@ def _view(torch: Any, block: TorchBlock, offset: int, desc: Any) -> Any:
     dtype = torch_dtype(torch, desc.dtype)
     if desc.numel == 0:
         return torch.empty(desc.shape, dtype=dtype, device=block.tensor.device)
-    storage = block.tensor[offset : offset + desc.storage_nbytes].view(dtype)
     strides = tuple(s if d > 1 else 0 for d, s in zip(desc.shape, desc.strides))  # size-1 dims address nothing
-    return storage.as_strided(desc.shape, strides, storage.storage_offset() + desc.offset)
+    itemsize = desc.dtype.itemsize  # `offset` is a multiple of it (ResidentStorage.check_fits)
+    typed = block.as_dtype(dtype, itemsize)  # one strided view of a cached typed view: the call's hot path
+    return typed.as_strided(desc.shape, strides, typed.storage_offset() + offset // itemsize + desc.offset)

@@ -9,7 +9,7 @@ the outputs' dtypes. A call is computed in one of two work dtypes:
   and x̂; a row's gradient sum is taken about the row's first value, so that a constant g·w is
   exactly its own mean (gradInput exactly 0); sums over many rows or channel elements are fp32
   sums of short runs added in fp64 (`column_sums`). Squares outside fp32's safe range and
-  non-finite results are flagged (`Call.out_of_range`).
+  non-finite results are flagged (`Call.checksum`).
 - float64, wide: the reference's formulas as written (docs/operators.md, "Non-finite values"),
   for a call flagged in fp32, so that ±Inf and NaN land where they land on every backend.
 
@@ -24,6 +24,7 @@ from typing import Any
 
 from ...ops.rows import LARGEST_SAFE_SQUARE, SMALLEST_SAFE_SQUARE, SUM_RUN
 from ...registry import Plan
+from . import fused
 
 CHANNEL_LAST_RANK = {1: 4, 27: 5}  # aclFormat NHWC -> rank 4, NDHWC -> rank 5
 
@@ -47,7 +48,7 @@ class Call:
         self.destinations = {} if wide or destinations is None else destinations
         self.work = torch.float64 if wide else torch.float32
         self.results: dict[str, Any] = {}
-        self._flags: list[Any] = []  # device booleans: fp32 could not hold a square
+        self._alarms: list[Any] = []  # device scalars, +Inf where fp32 could not hold a square
 
     def w(self, name: str) -> Any:
         """An input in the work dtype (the tensor itself when it has it: never written), or None."""
@@ -84,22 +85,20 @@ class Call:
     def check_squares(self, squares: Any) -> None:
         """Flags mean squares (variance + eps) where fp32 squares may have underflowed or overflowed."""
         if not self.wide:
-            self._flags.append(
-                ((squares >= SMALLEST_SAFE_SQUARE) & (squares <= LARGEST_SAFE_SQUARE)).all().logical_not()
-            )
+            safe = ((squares >= SMALLEST_SAFE_SQUARE) & (squares <= LARGEST_SAFE_SQUARE)).all()
+            self._alarms.append(self.torch.where(safe, 0.0, math.inf))
 
-    def out_of_range(self) -> Any:
-        """A device boolean: the fp32 computation must be repeated wide (a flagged square, or a result
-        that is not finite; a result whose sum overflows fp32 counts too, which costs only a repeat).
-        None when wide or nothing was computed."""
+    def checksum(self) -> Any:
+        """A device fp64 scalar that is not finite when the fp32 computation must be repeated wide: the
+        sum of every result's sum (a result that is not finite makes it so; one whose sum overflows
+        fp32 too, which costs only a repeat) and of the flagged squares' +Inf. One stack and one sum,
+        so that deciding costs few launches. None when wide or nothing was computed."""
         if self.wide:
             return None
         torch = self.torch
-        sums = [v.sum().to(torch.float64) for v in self.results.values() if v.is_floating_point() and v.numel()]
-        flags = list(self._flags)
-        if sums:
-            flags.append(torch.isfinite(torch.stack(sums)).all().logical_not())
-        return torch.stack(flags).any() if flags else None
+        parts = [v.sum().to(torch.float64) for v in self.results.values() if v.is_floating_point() and v.numel()]
+        parts += [alarm.to(torch.float64) for alarm in self._alarms]
+        return torch.stack(parts).sum() if parts else None
 
 
 Formula = Callable[[Call, Plan], None]
@@ -219,6 +218,10 @@ def layer_norm_backward(c: Call, plan: Plan) -> None:
     if m == 0:
         c.fill("gradWeightOut", 0)
         c.fill("gradBiasOut", 0)
+        return
+    tensors = [c.a[k] for k in ("gradOut", "input", "mean", "rstd", "weightOptional") if c.a.get(k) is not None]
+    if not c.wide and fused.usable(c.torch, tensors):  # CUDA: the same arithmetic in two kernels
+        fused.layer_norm_backward(c, m, n)
         return
     xt, gt = c.w("input").reshape(m, n), c.w("gradOut").reshape(m, n)
     rstd, w = c.w("rstd").reshape(m, 1), c.w("weightOptional")

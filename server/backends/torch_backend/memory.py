@@ -34,6 +34,14 @@ class TorchBlock:
     host: np.ndarray | None = None
     # the CUDA stream's handle -> the event recorded after its last launch over the block
     pending: dict[int, Any] = field(default_factory=dict)
+    # dtype -> the tensor's whole elements seen as that dtype, which calls' views are strided views of
+    typed: dict[Any, Any] = field(default_factory=dict)
+
+    def as_dtype(self, dtype: Any, itemsize: int) -> Any:
+        view = self.typed.get(dtype)
+        if view is None:
+            view = self.typed[dtype] = self.tensor[: self.tensor.numel() // itemsize * itemsize].view(dtype)
+        return view
 
 
 class TorchMemory:
@@ -56,7 +64,7 @@ class TorchMemory:
 
     def release(self, block: TorchBlock) -> None:
         # torch's allocator waits for the streams that used it
-        block.tensor, block.host, block.pending = None, None, {}
+        block.tensor, block.host, block.pending, block.typed = None, None, {}, {}
 
     def write(self, block: TorchBlock, offset: int, data: np.ndarray) -> None:
         with self.streams.running(None) as stream:
