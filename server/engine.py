@@ -583,7 +583,8 @@ class Engine:
         tensors = plan.inputs.keys() | plan.outputs.keys()
         queued = call.stream is not None and bool(plan.outputs) and resident.keys() == tensors
         buffers = self.buffers.use(resident.items(), queued=queued)
-        if queued:  # the caller goes on; its deadline and liveness no longer apply
+        caller = call  # its deadline and liveness bound the wait for room in the stream's queue
+        if queued:  # once queued, the caller goes on: its deadline and liveness no longer apply to the call
             call = CallContext(call.owner, call.session, call.stream, op=call.op)
         work = functools.partial(self._run_resident, operator, plan, workspace_size, args, resident, call, destinations)
         if call.stream is None:
@@ -595,7 +596,10 @@ class Engine:
         key = (call.owner, call.session, call.stream)
         done = functools.partial(self.buffers.done, buffers, queued)
         launch = queued and self._launches(operator) and self.admission.would_start(key)
-        return self.streams.call(key, work, done, wait=not queued, deadline=call.deadline, launch=launch) or {}
+        outputs = self.streams.call(
+            key, work, done, wait=not queued, deadline=caller.deadline, cancelled=caller.cancelled, launch=launch
+        )
+        return outputs or {}
 
     def _launches(self, operator: Operator) -> bool:
         """Whether the backend computes a call on its device memory by launching it on the client

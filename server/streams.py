@@ -81,6 +81,7 @@ class StreamQueues:
         done: Callable[[], None],
         wait: bool,
         deadline: float | None,
+        cancelled: Callable[[], bool] = lambda: False,
         launch: bool = False,
     ) -> Any:
         """Runs `work` after the stream's earlier calls; `done` runs once it ran or was dropped.
@@ -88,7 +89,9 @@ class StreamQueues:
         `wait`: the caller gets its result or failure. Otherwise it is queued (None at once) and a
         failure stays on the stream; `launch`: such a call only launches device work, and runs on
         the caller's thread when the stream is idle. Either way the stream's earlier failure, if
-        any, is raised instead, and the call is not made.
+        any, is raised instead, and the call is not made. A caller whose calls fill its share of
+        the queue waits for room until its `deadline` or until it is `cancelled`: then the call is
+        refused, never queued.
         """
         try:
             with self._cond:
@@ -99,7 +102,7 @@ class StreamQueues:
                 if inline:
                     stream.busy = True
                 else:
-                    self._wait_for_room(key[0], deadline)
+                    self._wait_for_room(key[0], deadline, cancelled)
                     item = _Item(work, done, concurrent.futures.Future() if wait else None)
                     stream.items.append(item)
                     self._queued[key[0]] += 1
@@ -182,8 +185,9 @@ class StreamQueues:
             stream = self._streams[key] = _Stream()
         return stream
 
-    def _wait_for_room(self, owner: Hashable, deadline: float | None) -> None:
-        """Back-pressure, as a device's full launch queue: the caller waits while its queued calls are at the cap."""
+    def _wait_for_room(self, owner: Hashable, deadline: float | None, cancelled: Callable[[], bool]) -> None:
+        """Back-pressure, as a device's full launch queue: the caller waits while its queued calls are at
+        the cap; past its deadline it is refused as busy, and once gone it is not queued (asked each second)."""
         while self._queued[owner] >= self.max_queued:
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
@@ -192,7 +196,9 @@ class StreamQueues:
                     f"this caller has {self._queued[owner]} calls queued: synchronize, or retry shortly",
                     "stream",
                 )
-            self._cond.wait(None if remaining is None else min(remaining, 1.0))
+            if cancelled():
+                raise CallAbandoned("cancelled", "the call was cancelled while its stream's queue was full: not run")
+            self._cond.wait(1.0 if remaining is None else min(remaining, 1.0))
 
     def _report(self, key: StreamKey, stream: _Stream) -> AclnnError:
         """The stream's failure as its caller sees it, cleared (reported once)."""

@@ -13,6 +13,8 @@ from test_device_memory import on_device
 from test_shared_memory import start_server
 
 from aclnn_client import AclnnError, Client
+from aclnn_server.admission import CallAbandoned
+from aclnn_server.errors import CapacityError
 from aclnn_server.streams import StreamQueues
 
 RMS = "aclnnRmsNorm"
@@ -216,3 +218,60 @@ def test_streams_through_a_server_process(tenants_server, rng, data_channel):
     finally:
         for c in clients.values():
             c.close()
+
+
+@pytest.mark.parametrize("data_channel", [True, False], ids=["data-channel", "grpc"])
+def test_a_call_waiting_for_room_in_a_full_queue_keeps_its_deadline(serve, rng, data_channel):
+    """A caller whose queued calls fill its share waits for room until its own deadline: then it is
+    refused and its call never runs (the queued call's context, which has no deadline, waited on:
+    the client was told DEADLINE_EXCEEDED and the call later ran and wrote its output)."""
+    served = serve()
+    served.engine.streams.max_queued = 1
+    rows, cols = 8192, 4096  # ~0.1 s a call on the numpy backend (more when loaded): the queue stays full
+    busy = Client(served.address, data_channel=data_channel)
+    hurried = Client(served.address, data_channel=data_channel, timeout=0.03)
+    try:
+        x = rng.uniform(-2, 2, (rows, cols)).astype(np.float32)
+        big = [busy.malloc(x.nbytes) for _ in range(2)]
+        gamma, stats = busy.malloc(4 * cols), busy.malloc(4 * rows)
+        busy.memcpy(big[0], x)
+        busy.memcpy(gamma, np.ones(cols, np.float32))
+        small_x, small_gamma, small_y, small_stats = (hurried.malloc(n) for n in (4 * 64, 4 * 16, 4 * 64, 4 * 4))
+        hurried.memcpy(small_x, np.arange(64, dtype=np.float32))
+        hurried.memcpy(small_gamma, np.ones(16, np.float32))
+        for source, target in ((0, 1), (1, 0)):  # the first runs, the second fills the queue
+            busy.run(RMS, x=on_device(big[source], (rows, cols)), gamma=on_device(gamma, (cols,)),
+                     yOut=on_device(big[target], (rows, cols)), rstdOut=on_device(stats, (rows, 1)), epsilon=1e-6,
+                     stream=1)  # fmt: skip
+        started = time.monotonic()
+        with pytest.raises(AclnnError) as err:  # every tensor on the device: a call to queue
+            hurried.run(RMS, x=on_device(small_x, (4, 16)), gamma=on_device(small_gamma, (16,)), epsilon=1e-6,
+                        yOut=on_device(small_y, (4, 16)), rstdOut=on_device(small_stats, (4, 1)), stream=2)  # fmt: skip
+        assert time.monotonic() - started < HANG_S
+        assert "calls queued" in err.value.message or "deadline" in str(err.value).lower()  # refused, or gone
+        busy.synchronize()
+        time.sleep(0.2)  # what the server would still do with the refused call, it has done by now
+        y = np.empty(64, np.float32)
+        hurried.memcpy(y, small_y)
+        assert not y.any(), "the refused call ran and wrote its output"
+    finally:
+        busy.close()
+        hurried.close()
+
+
+def test_a_caller_gone_while_waiting_for_room_is_not_queued():
+    """A full share of the queue: a cancelled caller is refused (CallAbandoned) and one past its
+    deadline as busy (CapacityError); neither call ever runs, and the queue goes on."""
+    queues = StreamQueues(max_queued=1)
+    release, ran = threading.Event(), []
+    queue(queues, ("alice", "s", 1), lambda: release.wait(HANG_S))  # runs, blocked
+    queue(queues, ("alice", "s", 1), lambda: ran.append("second"))  # fills alice's share
+    with pytest.raises(CallAbandoned):
+        queues.call(("alice", "s", 2), lambda: ran.append("cancelled"), lambda: None, False, deadline(),
+                    cancelled=lambda: True)  # fmt: skip
+    with pytest.raises(CapacityError):
+        queues.call(("alice", "s", 2), lambda: ran.append("late"), lambda: None, False, time.monotonic() + 0.05)
+    release.set()
+    queues.synchronize("alice", "s", None, deadline())
+    assert ran == ["second"]
+    queues.close()

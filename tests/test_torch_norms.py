@@ -343,3 +343,36 @@ def test_functional_forms_take_what_pytorch_takes():
             rms_norm(torch.randn(2, 2, 3), shape, client=client)
     with pytest.raises(RuntimeError, match="weight to be of same shape"):
         rms_norm(torch.randn(2, 2, 3), (2, 3), torch.ones(3), client=client)
+
+
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize(
+    "wrong",
+    [dict(running_mean=5), dict(running_var=5), dict(weight=5), dict(bias=12), dict(running_mean=None),
+     dict(running_var=None), dict(input=(6,))],
+    ids=["mean-5", "var-5", "weight-5", "bias-12", "no-mean", "no-var", "1-d-input"],
+)  # fmt: skip
+def test_batch_norm_refuses_what_pytorch_refuses(training, wrong):
+    """aten's kernels the offloaded forward calls skip batch_norm's size checks and would read and
+    write past a short running mean (heap corruption) or use the first C of a long weight: the
+    function raises what F.batch_norm raises, and changes nothing."""
+    client = LocalClient("numpy")
+    shapes = dict(input=(4, 6, 3), running_mean=6, running_var=6, weight=6, bias=6) | wrong
+    t = {k: None if n is None else torch.rand(n) + 0.5 for k, n in shapes.items()}
+    before = {k: v.clone() for k, v in t.items() if v is not None}
+    args = (t["input"], t["running_mean"], t["running_var"], t["weight"], t["bias"], training)
+    with pytest.raises((RuntimeError, ValueError)) as expected:
+        nn.functional.batch_norm(*args)
+    with pytest.raises(expected.type) as raised:
+        batch_norm(*args, client=client)
+    assert str(raised.value) == str(expected.value)
+    assert all(torch.equal(t[k], v) for k, v in before.items()), "a refused call changed a tensor"
+
+
+def test_offloaded_batch_norm_with_the_wrong_channels_raises_as_pytorch():
+    """nn.BatchNorm2d(16) given 20 channels: PyTorch's RuntimeError, not a read past its statistics."""
+    client = LocalClient("numpy")
+    for training in (True, False):
+        model = offload_norms(nn.BatchNorm2d(16), client).train(training)
+        with pytest.raises(RuntimeError, match="running_mean should contain 20 elements not 16"):
+            model(torch.randn(4, 20, 3, 3))

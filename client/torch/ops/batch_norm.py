@@ -212,6 +212,27 @@ def batch_norm(
     )
 
 
+def _check_per_channel(
+    input: Tensor,
+    running_mean: Tensor | None,
+    running_var: Tensor | None,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    training: bool,
+) -> None:
+    """aten's batch_norm checks, in its order and with its messages: every per-channel tensor holds C
+    elements (the kernels this module calls skip them, and would read or write past the end)."""
+    channels = input.shape[1] if input.dim() > 1 else 0
+    for name, t in (("running_mean", running_mean), ("running_var", running_var), ("weight", weight), ("bias", bias)):
+        if t is None:
+            if not training and name.startswith("running"):
+                raise RuntimeError(f"{name} must be defined in evaluation mode")
+        elif t.numel() != channels:
+            raise RuntimeError(f"{name} should contain {channels} elements not {t.numel()}")
+    if (running_mean is None) != (running_var is None):
+        raise ValueError("running_mean and running_var must either both be None or neither be None")
+
+
 def batch_norm_with_id(
     input: Tensor,
     running_mean: Tensor | None,
@@ -232,8 +253,8 @@ def batch_norm_with_id(
             raise ValueError(f"batch_norm eps must be positive during training, but got {eps}")
     elif eps < 0.0:
         raise ValueError(f"batch_norm eps must be non-negative, but got {eps}")
-    elif running_mean is None or running_var is None:
-        raise ValueError("running_mean and running_var must be defined in evaluation mode")
+    if input.numel() and not transformed():  # aten's checks, before its kernels read C elements of each
+        _check_per_channel(input, running_mean, running_var, weight, bias, training)
     if input.numel() == 0 or transformed():
         # Nothing to normalize (aten's batch_norm answers input·weight[0] + bias[0], empty but on the
         # autograd graph, running statistics untouched: no backward to send anywhere), or a transform
