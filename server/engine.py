@@ -1024,12 +1024,18 @@ class PlanCache(Recent):
 
 
 def _resident_of(plan: Plan, planned: Mapping[str, Any], sent: Mapping[str, Any]) -> dict[str, ResidentStorage]:
-    """An executor's tensors in device buffers (checked when it was planned), less inputs sent as bytes now."""
-    return {
+    """An executor's tensors in device buffers: those planned there (checked then) but inputs sent anew,
+    and inputs sent now in device buffers, checked here to hold their storage (161002 naming them)."""
+    resident = {
         name: data
         for name, data in planned.items()
         if isinstance(data, ResidentStorage) and not (name in sent and name not in plan.outputs)
     }
+    for name, data in sent.items():
+        if isinstance(data, ResidentStorage) and name in plan.inputs:
+            data.check_fits(plan.inputs[name])
+            resident[name] = data
+    return resident
 
 
 class _ResidentView:

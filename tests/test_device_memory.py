@@ -394,3 +394,35 @@ def test_another_session_or_a_forged_id_is_not_a_buffer(server_address):
         with pytest.raises(AclnnError) as err:
             other.memcpy(np.empty(16, np.float32), buf)  # refused before it leaves this process
         assert "another client" in err.value.message
+
+
+def test_execute_takes_an_input_from_a_device_buffer_checked_to_hold_it(serve):
+    """An executor planned on shipped bytes, executed with its input named in a device buffer
+    (ExecuteRequest.input_refs): computed from the buffer, and a buffer too small for the storage
+    is 161002 naming the input (it reached the backend unbound: 561000, a traceback logged)."""
+    served = serve()
+    rows, cols = 4, 8
+    x = np.arange(rows * cols, dtype=np.float32).reshape(rows, cols)
+    with Client(served.address, data_channel=False) as c, grpc.insecure_channel(served.address) as channel:
+        stats = np.empty((rows, 1), np.float32)
+        _, executor = c.get_workspace_size("aclnnLayerNorm", input=x, normalizedShape=[cols], eps=1e-5,
+                                           out=np.empty_like(x), meanOutOptional=stats,
+                                           rstdOutOptional=stats.copy())  # fmt: skip
+        c.set_executor_repeatable(executor)
+        small, buf = c.malloc(16), c.malloc(x.nbytes)
+        moved = x[::-1].copy()  # other values than the planned ones: the buffer's are the ones computed
+        c.memcpy(buf, moved)
+        stub, session = pb_grpc.AclnnStub(channel), tuple(c._base_metadata)
+
+        def execute(buffer: DeviceBuffer, offset: int = 0) -> pb.ExecuteResponse:
+            ref = pb.StorageRef(device=pb.DeviceSlice(buffer=buffer.id, offset=offset))
+            request = pb.ExecuteRequest(executor=executor.id.split("/")[-1], input_refs={"input": ref})
+            return stub.Execute(request, metadata=session)
+
+        for offset in (0, 16):
+            with pytest.raises(grpc.RpcError) as err:
+                execute(small, offset)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and err.value.details().startswith("input:")
+        out = np.frombuffer(execute(buf).outputs["out"].data, np.float32).reshape(rows, cols)
+    m = moved.astype(np.float64)
+    assert_close(out, (m - m.mean(1, keepdims=True)) / np.sqrt(m.var(1, keepdims=True) + 1e-5), "out")

@@ -100,11 +100,11 @@ def test_fused_layer_norm_backward_matches_the_oracle_and_repeats_bit_for_bit(cu
     """On CUDA the fp32 pass runs the fused Triton kernels (fused.py): rows wider than one chunk
     (9000 > 4096), row counts that end mid-run (130 = 2·64 + 2), no weight; a second call gives
     the same bits."""
-    from aclnn_server.backends.torch_backend import fused
+    from aclnn_server.backends.torch_backend import formulas
 
     ran = []
-    original = fused.layer_norm_backward
-    fused.layer_norm_backward = lambda c, m, n: ran.append((m, n)) or original(c, m, n)
+    original = formulas.fused_layer_norm_backward
+    formulas.fused_layer_norm_backward = lambda c, m, n: ran.append((m, n)) or original(c, m, n)
     try:
         p = layer_norm_call(rng, shape, 1, dtype, weight)
         again = {k: (v.copy() if isinstance(v, np.ndarray) else v) for k, v in p.items()}
@@ -112,7 +112,7 @@ def test_fused_layer_norm_backward_matches_the_oracle_and_repeats_bit_for_bit(cu
             c.run("aclnnLayerNormBackward", **p)
             c.run("aclnnLayerNormBackward", **again)
     finally:
-        fused.layer_norm_backward = original
+        formulas.fused_layer_norm_backward = original
     assert ran == [(shape[0], shape[1])] * 2
     for name, ref in zip(("gradInputOut", "gradWeightOut", "gradBiasOut"), layer_norm_reference(p)):
         assert_close(p[name], ref, name)

@@ -24,7 +24,7 @@ from typing import Any
 
 from ...ops.rows import LARGEST_SAFE_SQUARE, SMALLEST_SAFE_SQUARE, SUM_RUN
 from ...registry import Plan
-from . import fused
+from .fused import fusable, fused_layer_norm_backward
 
 CHANNEL_LAST_RANK = {1: 4, 27: 5}  # aclFormat NHWC -> rank 4, NDHWC -> rank 5
 
@@ -220,8 +220,8 @@ def layer_norm_backward(c: Call, plan: Plan) -> None:
         c.fill("gradBiasOut", 0)
         return
     tensors = [c.a[k] for k in ("gradOut", "input", "mean", "rstd", "weightOptional") if c.a.get(k) is not None]
-    if not c.wide and fused.usable(c.torch, tensors):  # CUDA: the same arithmetic in two kernels
-        fused.layer_norm_backward(c, m, n)
+    if not c.wide and fusable(c.torch, tensors):  # CUDA: the same arithmetic in two kernels
+        fused_layer_norm_backward(c, m, n)
         return
     xt, gt = c.w("input").reshape(m, n), c.w("gradOut").reshape(m, n)
     rstd, w = c.w("rstd").reshape(m, 1), c.w("weightOptional")

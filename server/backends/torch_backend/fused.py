@@ -40,13 +40,13 @@ SMALLEST_BLOCK = 16  # fewer distinct compiled variants for narrow rows
 def _kernels() -> tuple[Any, Any] | None:
     """The two jitted kernels (triton_kernels.py), or None where Triton does not import."""
     try:
-        from . import triton_kernels
+        from .triton_kernels import columns, rows
     except ImportError:
         return None
-    return triton_kernels.rows, triton_kernels.columns
+    return rows, columns
 
 
-def usable(torch: Any, tensors: list[Any]) -> bool:
+def fusable(torch: Any, tensors: list[Any]) -> bool:
     """Whether the fused kernels can run these tensors (CUDA, fp32/fp16/bf16, Triton present)."""
     kinds = (torch.float32, torch.float16, torch.bfloat16)
     return ENABLED and all(t.is_cuda and t.dtype in kinds for t in tensors) and _kernels() is not None
@@ -63,7 +63,7 @@ def _block(n: int, limit: int) -> int:
     return min(limit, max(SMALLEST_BLOCK, 1 << (n - 1).bit_length()))
 
 
-def layer_norm_backward(c: Any, m: int, n: int) -> None:
+def fused_layer_norm_backward(c: Any, m: int, n: int) -> None:
     """The fp32 pass of formulas.layer_norm_backward on CUDA (M, N > 0), its results stored in `c`."""
     torch = c.torch
     rows, columns = _kernels()
