@@ -124,6 +124,11 @@ def worker(rank: int, store: str, cases: list[tuple[list[int], str | None]]) -> 
                 assert ops.count("aclnnBatchNormElemtBackward") == 3 * 3
             else:  # an empty batch only takes part in the reductions (and updates its running statistics)
                 assert set(ops) == {"aclnnBatchNormGatherStatsWithCounts"}, ops
+        double = offload_norms(nn.SyncBatchNorm.convert_sync_batchnorm(nn.BatchNorm2d(3)), CountingClient()).double()
+        with pytest.raises(
+            ValueError, match="processes on cpu tensors runs on the aclnn service, which does not serve float64"
+        ):
+            double(torch.randn(2, 3, 4, 4, dtype=torch.float64))  # PyTorch's own: "expected ... GPU"
         with open(f"{store}.passed{rank}", "w"):
             pass  # every check of this rank passed (see spawn_pair)
         # Both ranks done before either tears its group down: a gloo peer closed under the other's last

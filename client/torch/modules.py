@@ -129,22 +129,35 @@ class _OffloadedSyncBatchNorm(_OffloadedBatchNorm):
         self._aclnn = _Binding(client)
 
     def forward(self, input: Tensor) -> Tensor:
+        if self.training and not input.is_cuda and self._world_size() > 1:  # PyTorch's own takes only GPU tensors
+            dtype = unserved_dtype(input, *self._parameters.values(), *self._buffers.values())
+            if dtype is not None:
+                raise ValueError(
+                    f"SyncBatchNorm across {self._world_size()} processes on {input.device.type} tensors runs on the "
+                    f"aclnn service, which does not serve {str(dtype).removeprefix('torch.')}: train it in float32, "
+                    "float16 or bfloat16 (PyTorch's own SyncBatchNorm takes only GPU tensors)"
+                )
         if _runs_in_pytorch(self, input):
             return super().forward(input)  # nn.SyncBatchNorm's, through the offloaded BatchNorm's check
         self._check_input_dim(input)
         self._check_non_zero_input_channels(input)
         running_mean, running_var, bn_training, factor = self._batch_norm_arguments()
-        eps, cid, world_size, group = self.eps, self._aclnn.id, 1, None
-        if bn_training and self.training and dist.is_available() and dist.is_initialized():
-            group = self.process_group or dist.group.WORLD
-            world_size = dist.get_world_size(group)
+        eps, cid = self.eps, self._aclnn.id
+        world_size = self._world_size() if bn_training and self.training else 1
         if world_size < 2:
             return batch_norm_with_id(
                 input, running_mean, running_var, self.weight, self.bias, bn_training, factor, eps, cid
             )
+        group = self.process_group or dist.group.WORLD
         return SyncBatchNormFunction.apply(
             input, self.weight, self.bias, running_mean, running_var, eps, factor, group, world_size, cid
         )
+
+    def _world_size(self) -> int:
+        """The processes its statistics would be synchronized over (1 without torch.distributed)."""
+        if not (dist.is_available() and dist.is_initialized()):
+            return 1
+        return dist.get_world_size(self.process_group or dist.group.WORLD)
 
 
 class _OffloadedRMSNorm(_Offloaded):
