@@ -376,3 +376,15 @@ def test_offloaded_batch_norm_with_the_wrong_channels_raises_as_pytorch():
         model = offload_norms(nn.BatchNorm2d(16), client).train(training)
         with pytest.raises(RuntimeError, match="running_mean should contain 20 elements not 16"):
             model(torch.randn(4, 20, 3, 3))
+
+
+def test_rms_norm_trains_on_an_inference_mode_input():
+    """PyTorch's RMSNorm trains its weight on an input made under torch.inference_mode(); the offloaded
+    one saved that input for backward, which autograd refuses for an inference tensor."""
+    with torch.inference_mode():
+        x = torch.randn(4, 16)
+    plain = nn.RMSNorm(16)
+    offloaded = offload_norms(copy.deepcopy(plain), LocalClient("numpy"))
+    for model in (plain, offloaded):
+        model(x).square().sum().backward()
+    _close(offloaded.weight.grad, plain.weight.grad, "weight.grad")

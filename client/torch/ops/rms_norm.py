@@ -79,6 +79,8 @@ def _rms_norm_backward_fake(grad_out, input, normalized_shape, rstd, weight, out
 def _rms_norm_setup(ctx: Any, inputs: tuple, output: tuple) -> None:
     input, normalized_shape, weight, eps, client = inputs
     ctx.mark_non_differentiable(output[1])
+    if input.is_inference():  # PyTorch's RMSNorm trains on an inference-mode input too: keep a normal copy
+        input = input.clone()
     ctx.save_for_backward(input, weight, output[1])
     ctx.normalized_shape, ctx.eps, ctx.client = normalized_shape, eps, client
     ctx.keep_alive = live_client(client)
