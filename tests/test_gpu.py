@@ -138,3 +138,19 @@ def test_fused_layer_norm_backward_reads_strided_device_views(cuda_backend, rng)
             got = np.empty_like(p[name])
             c.memcpy(got, outs[name])
             assert_close(got, ref, name)
+
+
+def test_client_streams_share_a_bounded_pool_of_cuda_streams(cuda_backend):
+    """A session that names a new stream id for each call keeps no state per id (a map of them grew
+    until its session ended): POOL_SIZE CUDA streams in all, one stream id always on the same one,
+    and the session's record gone with it."""
+    from aclnn_server.backends.torch_backend.streams import POOL_SIZE
+
+    streams = cuda_backend.streams
+    used = {id(streams.stream(("alice", "s", stream_id))) for stream_id in range(1000)}
+    assert len(used) <= POOL_SIZE and len(streams._pool) == POOL_SIZE
+    assert streams.stream(("alice", "s", 7)) is streams.stream(("alice", "s", 7))
+    streams.synchronize(("alice", "s", None))
+    streams.synchronize(("alice", "s", 7))
+    streams.end_session("alice", "s")
+    assert ("alice", "s") not in streams._used

@@ -1,10 +1,13 @@
 """Client streams on CUDA streams, for the torch backend.
 
-Each client stream (the engine's key: identity, session, stream id) runs on a CUDA stream of its
-own, from torch's stream pool, bound until its session ends; a call without a client stream runs on
-its thread's own CUDA stream. torch's pool is finite (it hands its streams out round-robin), so two
-client streams may share a CUDA stream: their calls then also wait for each other, which only
-orders what needed no order. On the cpu device there are no streams: a call runs as it is made.
+Each client stream (the engine's key: identity, session, stream id) runs on one of POOL_SIZE CUDA
+streams, chosen by its key's hash, so that its calls stay in order with no state kept per stream id
+(a client that used a new id for each call grew a map of them until its session ended); a session
+remembers only which of the pool's streams its client streams ran on, for a synchronize of all of
+them. A call without a client stream runs on its thread's own CUDA stream. Two client streams may
+share a CUDA stream: their calls then also wait for each other, which only orders what needed no
+order (torch's own pool hands out its 32 streams round-robin the same way). On the cpu device there
+are no streams: a call runs as it is made.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ from aclnn_common.errors import AclnnError, Status
 
 from ...streams import StreamKey
 
+POOL_SIZE = 32  # CUDA streams client streams share (torch's pool holds 32 per device and priority)
+
 
 def device_failure(exc: BaseException) -> AclnnError:
     """A CUDA error (a kernel that faulted, an unusable device) as the status a CANN runtime error has."""
@@ -30,7 +35,8 @@ class DeviceStreams:
     def __init__(self, torch: Any, device: Any) -> None:
         self.torch, self.device = torch, device
         self.cuda = device.type == "cuda"
-        self._bound: dict[StreamKey, Any] = {}
+        self._pool: list[Any] = []  # made at the first client stream's call
+        self._used: dict[tuple[Any, Any], set[int]] = {}  # (identity, session) -> the pool's streams it ran on
         self._lock = threading.Lock()
         self._local = threading.local()
 
@@ -43,11 +49,12 @@ class DeviceStreams:
             if stream is None:
                 stream = self._local.stream = self.torch.cuda.Stream(self.device)
             return stream
+        index = hash(key) % POOL_SIZE
         with self._lock:
-            stream = self._bound.get(key)
-            if stream is None:
-                stream = self._bound[key] = self.torch.cuda.Stream(self.device)
-            return stream
+            if not self._pool:
+                self._pool = [self.torch.cuda.Stream(self.device) for _ in range(POOL_SIZE)]
+            self._used.setdefault(key[:2], set()).add(index)
+            return self._pool[index]
 
     @contextlib.contextmanager
     def running(self, key: StreamKey | None) -> Iterator[Any]:
@@ -70,16 +77,14 @@ class DeviceStreams:
 
     def synchronize(self, key: StreamKey) -> None:
         """Waits for a client stream's launches (every stream of its session when its id is None)."""
-        owner, session, stream_id = key
         with self._lock:
-            streams = {
-                id(s): s for k, s in self._bound.items() if k[:2] == (owner, session) and stream_id in (None, k[2])
-            }
-        for stream in streams.values():
+            used = self._used.get(key[:2], set())
+            indices = used if key[2] is None else used & {hash(key) % POOL_SIZE}
+            streams = [self._pool[i] for i in sorted(indices)]
+        for stream in streams:
             self.wait(stream)
 
     def end_session(self, owner: Any, session: Any) -> None:
-        """An identity's session ended: its client streams are unbound (their CUDA streams go back to torch's pool)."""
+        """An identity's session ended: nothing of it is kept (what it launched runs on, on the pool's streams)."""
         with self._lock:
-            for key in [k for k in self._bound if k[:2] == (owner, session)]:
-                del self._bound[key]
+            self._used.pop((owner, session), None)
