@@ -204,7 +204,12 @@ def f64(values, shape=None) -> torch.Tensor:
 
 
 def test_seed_layer_norm_backward_example(native_prefix, compiled, server_address):
-    out = run_program(native_prefix, compiled(EXAMPLES / "layer_norm_backward.cpp"), server_address)
+    check_layer_norm_backward_example(
+        run_program(native_prefix, compiled(EXAMPLES / "layer_norm_backward.cpp"), server_address)
+    )
+
+
+def check_layer_norm_backward_example(out: str) -> None:
     x = f64([2, 3, 4, 5], (2, 2))
     dx, dw, db = torch.ops.aten.native_layer_norm_backward(
         x.clone(), x, [2], f64([2, 3], (2, 1)), f64([4, 5], (2, 1)), f64([1, 1]), f64([0, 0]), [True, True, True]
@@ -212,6 +217,36 @@ def test_seed_layer_norm_backward_example(native_prefix, compiled, server_addres
     assert_printed(printed(out, "out result"), dx, "gradInput")
     assert_printed(printed(out, "dw result"), dw, "gradWeight")
     assert_printed(printed(out, "db result"), db, "gradBias")
+
+
+def test_a_program_started_with_its_server_waits_in_set_device(native_prefix, compiled, fake, tmp_path):
+    """A server whose NPU takes 3 s to come up listens at once, NOT_SERVING, and refuses calls as
+    starting: the seed's program started then waits in aclrtSetDevice (saying so on stderr) and
+    runs, as on a device still initializing (its first aclrtMalloc failed with 507000)."""
+    log = tmp_path / "server.log"
+    with log.open("w") as stderr:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "aclnn_server", "--port", "0", "--backend", "npu", "--log-level", "INFO"],
+            stdout=subprocess.DEVNULL, stderr=stderr, env={**os.environ, "FAKE_CANN_INIT_DELAY_MS": "3000"},
+        )  # fmt: skip
+    try:
+        deadline, started = time.monotonic() + 60, None
+        while started is None and time.monotonic() < deadline:
+            started = re.search(r"started on (\S+?:\d+): NOT_SERVING", log.read_text())
+            time.sleep(0.05)
+        assert started, log.read_text()
+        exe = compiled(EXAMPLES / "layer_norm_backward.cpp")
+        env = {**os.environ, "ACLNN_REMOTE_TARGET": started[1], "LD_LIBRARY_PATH": str(native_prefix / "lib64")}
+        hurried = {**env, "ACLNN_REMOTE_START_WAIT_S": "0.3"}  # a program that waits less gives up, saying why
+        done = subprocess.run([str(exe)], env=hurried, capture_output=True, text=True, timeout=60, check=False)
+        assert done.returncode != 0 and "aclrtSetDevice failed. ERROR: 507000" in done.stdout + done.stderr
+        done = subprocess.run([str(exe)], env=env, capture_output=True, text=True, timeout=60, check=False)
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+        assert "is starting (NOT_SERVING); waiting" in done.stderr
+        check_layer_norm_backward_example(done.stdout)
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 def test_seed_batch_norm_backward_example(native_prefix, compiled, server_address):

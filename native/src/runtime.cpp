@@ -12,12 +12,16 @@
 #include <condition_variable>
 #include <cstdlib>
 #include <cstring>
+#include <cstdio>
 #include <fstream>
+#include <future>
 #include <map>
 #include <mutex>
 #include <random>
 #include <sstream>
 #include <thread>
+
+#include <grpcpp/generic/generic_stub.h>
 
 #include "acl/acl.h"
 #include "aclnn/acl_meta.h"
@@ -33,6 +37,9 @@ constexpr size_t kMaxBytes = size_t{1} << 62;  // the most bytes anything addres
 constexpr size_t kHandleSpace = size_t{1} << 36;  // reserved for handles: 2^33 of them, 8 bytes apart
 constexpr int kReconnectWaitMs = 1000;  // how long a call waits for a server that was unreachable
 constexpr auto kKeepAlive = std::chrono::seconds(10);
+constexpr double kStartWaitS = 600;  // ACLNN_REMOTE_START_WAIT_S's default: a cold cpu backend compiles for minutes
+constexpr auto kStartPoll = std::chrono::milliseconds(250);
+constexpr auto kStartReport = std::chrono::seconds(30);  // how often a wait says it still waits
 
 thread_local std::string recent_error;
 
@@ -254,6 +261,63 @@ thread_local Context *current_context = nullptr;
 bool live_context(Context *context) { return contexts.find(context).has_value(); }
 
 // A runtime (aclrt*) failure's aclError: the server refused the arguments, it is out of memory, or else.
+// grpc.health.v1.Health/Check of the service aclnn.v1.Aclnn, its two one-field messages encoded here
+// (no generated classes: a program linking gRPC's own health protos would register them twice).
+enum class Health { kServing, kNotServing, kUnknown };
+
+Health health()
+{
+    static const std::string request = std::string("\x0a\x0e", 2) + "aclnn.v1.Aclnn";  // service = "aclnn.v1.Aclnn"
+    grpc::Slice slice(request);
+    grpc::ByteBuffer sent(&slice, 1), received;
+    grpc::GenericStub generic(connection().channel);
+    auto ctx = context();
+    ctx->set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+    std::promise<grpc::Status> done;
+    generic.UnaryCall(ctx.get(), "/grpc.health.v1.Health/Check", grpc::StubOptions(), &sent, &received,
+                      [&done](grpc::Status status) { done.set_value(std::move(status)); });
+    if (!done.get_future().get().ok()) return Health::kUnknown;
+    std::vector<grpc::Slice> slices;
+    std::string reply;
+    if (received.Dump(&slices).ok())
+        for (const auto &part : slices) reply.append(reinterpret_cast<const char *>(part.begin()), part.size());
+    if (reply == std::string("\x08\x01", 2)) return Health::kServing;  // status = SERVING
+    return reply == std::string("\x08\x02", 2) ? Health::kNotServing : Health::kUnknown;
+}
+
+// CANN's aclrtSetDevice returns once the device is up; here, once the server's backend is: a server
+// that answers NOT_SERVING is loading it (a cold cpu backend compiles its kernels for minutes, an NPU
+// initializes) and refuses calls meanwhile. Waits up to ACLNN_REMOTE_START_WAIT_S seconds, saying so
+// on stderr when it starts waiting and every 30 s; a server away or serving is not waited for (the
+// calls say what they find), and once serving it is not asked again.
+aclError wait_until_serving()
+{
+    static std::atomic<bool> served{false};
+    if (served) return ACL_SUCCESS;
+    std::string given = environment("ACLNN_REMOTE_START_WAIT_S");
+    const double limit_s = given.empty() ? kStartWaitS : std::atof(given.c_str());
+    const auto started = std::chrono::steady_clock::now();
+    auto reported = started - kStartReport;
+    for (Health state = health(); state == Health::kNotServing; state = health()) {
+        auto now = std::chrono::steady_clock::now();
+        double waited_s = std::chrono::duration<double>(now - started).count();
+        std::string target = environment("ACLNN_REMOTE_TARGET", "127.0.0.1:50051");
+        if (waited_s >= limit_s)
+            return fail(ACL_ERROR_RT_INTERNAL_ERROR, "aclrtSetDevice: the server at " + target +
+                                                         " is still starting (NOT_SERVING) after " +
+                                                         std::to_string(static_cast<int>(waited_s)) +
+                                                         " s (ACLNN_REMOTE_START_WAIT_S)");
+        if (now - reported >= kStartReport) {
+            std::fprintf(stderr, "aclnn-remote: the server at %s is starting (NOT_SERVING); waiting %.0f s so far, "
+                         "up to %.0f (ACLNN_REMOTE_START_WAIT_S)\n", target.c_str(), waited_s, limit_s);
+            reported = now;
+        }
+        std::this_thread::sleep_for(kStartPoll);
+    }
+    served = true;
+    return ACL_SUCCESS;
+}
+
 aclError runtime_failure(const grpc::Status &status)
 {
     int code = rpc_failure(status);
@@ -463,6 +527,8 @@ aclError aclFinalize(void)
 aclError aclrtSetDevice(int32_t deviceId)
 {
     if (deviceId != 0) return fail(ACL_ERROR_RT_INVALID_DEVICEID, "aclrtSetDevice: the server is device 0");
+    aclError waited = wait_until_serving();
+    if (waited != ACL_SUCCESS) return waited;
     device_set = true;
     if (!current_context) current_context = &default_context;  // the device's default context, as CANN
     return ACL_SUCCESS;

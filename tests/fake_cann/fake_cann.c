@@ -29,7 +29,8 @@
  * and not yet run (fake_queued), and one-shot injected failures (fake_fail_next, or
  * FAKE_CANN_FAIL="function:code[,function:code]" at aclInit). A kernel's execution counts as a
  * call of "kernel:aclnnX": injecting a failure there makes that kernel fail while it runs (the
- * stream's synchronize returns the code), as a device fault does.
+ * stream's synchronize returns the code), as a device fault does. FAKE_CANN_INIT_DELAY_MS makes
+ * aclInit take that long, as a device that takes its time to come up.
  */
 #include <math.h>
 #include <pthread.h>
@@ -39,6 +40,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #define EXPORT __attribute__((visibility("default")))
 
@@ -260,6 +262,8 @@ static void parse_fail_env(void) {
 }
 
 EXPORT aclError aclInit(const char *configPath) {
+    const char *delay = getenv("FAKE_CANN_INIT_DELAY_MS");
+    if (delay && *delay) usleep((useconds_t)atoi(delay) * 1000);
     pthread_mutex_lock(&mu);
     parse_fail_env();
     aclError rc = enter("aclInit");
