@@ -425,6 +425,92 @@ def check_chain(
             assert_close(got, ref, f"stream {s} {name}")
 
 
+def test_events_order_two_streams(native_prefix, compiled, server_address, tmp_path):
+    """Stream B waits for an event recorded on stream A after a chain of LayerNorms, then RmsNorms A's
+    output: B reads what A wrote. The event calls answer as CANN's do; handles past their end are refused."""
+    check_events(native_prefix, compiled, server_address, tmp_path)
+
+
+def test_events_on_the_npu_backend(native_prefix, compiled, npu_address, fake, tmp_path):
+    """The same on the NPU backend (the fake CANN runs a kernel only when its ACL stream is synchronized)."""
+    launched = fake.calls("aclnnLayerNorm")
+    check_events(native_prefix, compiled, npu_address, tmp_path)
+    assert fake.calls("aclnnLayerNorm") == launched + 6 + 2
+
+
+def test_event_and_timeout_failures_on_the_npu_backend(native_prefix, compiled, npu_address, fake, tmp_path):
+    """Two LayerNorm kernels fail while they run (a device fault): the first is found by a synchronize that
+    timed out and is reported by the stream's next synchronize, not lost; the second is reported by the
+    event's wait, once, and the event stays failed (not known complete) until it is recorded again."""
+    rows, cols = 4, 32
+    (tmp_path / "shape").write_text(f"{rows} {cols} 1")
+    np.ones((rows, cols), np.float32).tofile(tmp_path / "x.bin")
+    np.ones(cols, np.float32).tofile(tmp_path / "gamma.bin")
+    fake.fail_next("kernel:aclnnLayerNorm", 507015, times=2)  # ACL_ERROR_RT_AICORE_EXCEPTION
+    out = run_program(native_prefix, compiled(PROGRAMS / "events.cpp"), npu_address, str(tmp_path), "faults")
+    cases = {name: (int(code), message) for name, code, message in (line.split(" ", 2) for line in out.splitlines())}
+    assert cases["fault_no_wait"][0] == 507046  # ACL_ERROR_RT_STREAM_SYNC_TIMEOUT
+    for failed in ("fault_kept_for_next_wait", "fault_event_synchronize", "fault_event_stays_failed"):
+        assert cases[failed][0] == 361001 and "507015" in cases[failed][1], (failed, cases[failed])
+    assert "while it was pending" in cases["fault_event_stays_failed"][1]
+    for ok in ("fault_reported_once", "fault_stream_after_event", "fault_query", "fault_query_not_ready"):
+        assert cases[ok] == (0, ""), (ok, cases[ok])
+    for ok in ("fault_record_again", "fault_synchronize_again", "fault_query_again", "fault_complete_again"):
+        assert cases[ok] == (0, ""), (ok, cases[ok])
+
+
+def check_events(native_prefix: Path, compiled, address: str, tmp_path: Path) -> None:
+    rng = np.random.default_rng(11)
+    rows, cols, steps = 256, 2048, 6
+    x = rng.uniform(-2, 2, (rows, cols)).astype(np.float32)
+    gamma = rng.uniform(0.5, 1.5, cols).astype(np.float32)
+    (tmp_path / "shape").write_text(f"{rows} {cols} {steps}")
+    x.tofile(tmp_path / "x.bin")
+    gamma.tofile(tmp_path / "gamma.bin")
+    out = run_program(native_prefix, compiled(PROGRAMS / "events.cpp"), address, str(tmp_path))
+    cases = {name: (int(code), message) for name, code, message in (line.split(" ", 2) for line in out.splitlines())}
+
+    # the float64 oracle: each LayerNorm's output rounded to float32, as stored, feeds the next
+    w, b = torch.ones(cols, dtype=torch.float64), torch.zeros(cols, dtype=torch.float64)
+    current = x
+    for _ in range(steps):
+        y, _, _ = torch.ops.aten.native_layer_norm(torch.from_numpy(current.astype(np.float64)), [cols], w, b, 1e-5)
+        current = y.numpy().astype(np.float32)
+    y64 = torch.from_numpy(current.astype(np.float64))
+    z = y64 * torch.rsqrt(y64.pow(2).mean(-1, keepdim=True) + 1e-6) * torch.from_numpy(gamma.astype(np.float64))
+    assert_close(np.fromfile(tmp_path / "y.bin", np.float32).reshape(rows, cols), y, "y (stream A)")
+    assert_close(np.fromfile(tmp_path / "z.bin", np.float32).reshape(rows, cols), z, "z (stream B, after the wait)")
+
+    ok = (
+        *("query_unrecorded", "unrecorded_not_ready", "record", "stream_wait", "synchronize_event"),
+        *("query_after_synchronize", "complete_after_synchronize", "synchronize_b_with_timeout"),
+        *("create_with_flags", "record_again", "query_polled", "polled_complete"),
+        *("synchronize_event_with_timeout", "synchronize_event_for_ever", "reset", "query_after_reset"),
+        *("reset_not_ready", "synchronize_reset_event", "synchronize_stream_with_timeout"),
+        *("synchronize_stream_for_ever", "synchronize_default_stream_with_timeout"),
+        *("destroy", "create_after_destroy", "newer_event_is_another", "destroy_newer", "destroy_timed"),
+    )
+    for name in ok:
+        assert cases[name] == (0, ""), (name, cases[name])
+    assert cases["elapsed_time"][0] == 207000  # ACL_ERROR_RT_FEATURE_NOT_SUPPORT: no device timestamps
+    assert "timestamps" in cases["elapsed_time"][1]
+    assert cases["synchronize_stream_no_wait"][0] == 507046  # ACL_ERROR_RT_STREAM_SYNC_TIMEOUT
+    for name in ("synchronize_stream_timeout_below_minus_1", "synchronize_event_timeout_below_minus_1"):
+        assert cases[name][0] == 107000 and "-1" in cases[name][1], name  # ACL_ERROR_RT_PARAM_INVALID, as CANN's
+    invalid = 100000  # ACL_ERROR_INVALID_PARAM: nothing sent, nothing dereferenced
+    nulls = ("create_null", "create_with_flag_null", "record_null", "query_null_status", "query_null_event")
+    for name in (*nulls, "synchronize_null", "stream_wait_null", "elapsed_null_ms", "destroy_null"):
+        assert cases[name][0] == invalid and "null" in cases[name][1], (name, cases[name])
+    assert cases["create_unknown_flag"][0] == invalid
+    stale = ("record_unknown", "synchronize_stream_as_event", "destroy_unknown", "destroy_again", "record_destroyed")
+    destroyed = ("query_destroyed", "synchronize_destroyed", "synchronize_destroyed_with_timeout")
+    for name in (*stale, *destroyed, "stream_wait_destroyed", "reset_destroyed", "elapsed_destroyed"):
+        assert cases[name][0] == invalid and "not a live event" in cases[name][1], (name, cases[name])
+    on_ended = ("record_on_destroyed_stream", "stream_wait_on_destroyed_stream", "reset_on_destroyed_stream")
+    for name in (*on_ended, "synchronize_destroyed_stream_with_timeout"):
+        assert cases[name][0] == invalid and "not a live stream" in cases[name][1], (name, cases[name])
+
+
 def test_every_parameter_kind(native_prefix, compiled, server_address, tmp_path, rng):
     """int64_t, double and bool scalars, an aclBoolArray, in/out tensors and null optional outputs
     reach the server as the Python client's would send them: GroupNorm and its backward, BatchNorm

@@ -41,6 +41,23 @@ public:
         std::lock_guard<std::mutex> hold(lock_);
         return live_.erase(handle) != 0;
     }
+    // Applies `change` to a live handle's value, atomically; false when the handle is not live.
+    template <typename F>
+    bool update(const void *handle, F &&change)
+    {
+        std::lock_guard<std::mutex> hold(lock_);
+        auto it = live_.find(handle);
+        if (it == live_.end()) return false;
+        change(it->second);
+        return true;
+    }
+    // Applies `change` to every live handle's value, atomically.
+    template <typename F>
+    void each(F &&change)
+    {
+        std::lock_guard<std::mutex> hold(lock_);
+        for (auto &entry : live_) change(entry.second);
+    }
 
 private:
     mutable std::mutex lock_;

@@ -19,7 +19,9 @@
 #include <mutex>
 #include <random>
 #include <sstream>
+#include <system_error>
 #include <thread>
+#include <vector>
 
 #include <grpcpp/generic/generic_stub.h>
 
@@ -397,11 +399,165 @@ aclError read(void *dst, const DeviceRef &src, size_t count)
     return ACL_SUCCESS;
 }
 
-aclError synchronize(int64_t stream)
+// Waits for the stream's queued calls on the server (every stream: -1). *drained: whether the server
+// answered once they had ended (a failure of one of them included), not only that the call failed.
+aclError synchronize(int64_t stream, bool *drained = nullptr)
 {
     aclnn::v1::Empty request, reply;
     grpc::Status status = stub().Synchronize(context(stream).get(), request, &reply);
+    auto code = status.error_code();
+    if (drained)
+        *drained = code != grpc::StatusCode::UNAVAILABLE && code != grpc::StatusCode::DEADLINE_EXCEEDED &&
+                   code != grpc::StatusCode::CANCELLED && code != grpc::StatusCode::UNAUTHENTICATED;
     return status.ok() ? ACL_SUCCESS : rpc_failure(status);  // a queued call's failure: its own status
+}
+
+// Events. An event recorded on a stream stands for the stream's work queued so far: it is complete once a
+// synchronize of that stream that began after the record has answered. Records and synchronizes draw
+// tickets from one counter, so a synchronize covers the records with smaller tickets.
+std::atomic<uint64_t> tickets{0};
+
+struct Event {
+    enum State { kUnrecorded, kPending, kComplete, kFailed } state = kUnrecorded;
+    int64_t stream = 0;   // the stream id it was recorded on
+    uint64_t ticket = 0;  // its record's
+    aclError code = ACL_SUCCESS;  // kFailed: the failure its stream's synchronize answered, and its message
+    std::string message;
+};
+Registry<Event> live_events;  // created and not yet destroyed
+
+struct Outcome {
+    aclError code = ACL_SUCCESS;
+    std::string message;
+    bool drained = false;
+};
+
+// A synchronize of one stream, under way or finished and not yet collected; its ticket was drawn when it began.
+struct Waiter {
+    uint64_t ticket = 0;
+    std::shared_future<Outcome> done;
+};
+std::mutex waiters_lock;
+std::map<int64_t, Waiter> waiters;  // stream id -> its synchronize; at most one each (waits share it)
+constexpr aclError kStillRunning = -1;  // wait_for: the timeout passed first
+
+// The events pending on `stream` (every stream: -1) with tickets below `ticket`: complete, or failed when the
+// synchronize answered a queued call's failure (which of the stream's calls failed, before the record or after,
+// the server does not say: such an event is not known to be complete). Not drained (the server unreachable):
+// they stay pending, for a later wait to ask again.
+void settle(int64_t stream, uint64_t ticket, const Outcome &outcome)
+{
+    if (!outcome.drained) return;
+    live_events.each([&](Event &event) {
+        if (event.state != Event::kPending || event.ticket >= ticket || (stream >= 0 && event.stream != stream))
+            return;
+        event.state = outcome.code == ACL_SUCCESS ? Event::kComplete : Event::kFailed;
+        event.code = outcome.code;
+        event.message = outcome.message;
+    });
+}
+
+// The synchronize of stream `id` under way, else a new one: on a thread of its own when `detached` (its caller
+// may stop waiting: the synchronize goes on, and its outcome is kept for the next wait), else on the caller's.
+Waiter waiter_for(int64_t id, bool detached)
+{
+    auto promise = std::make_shared<std::promise<Outcome>>();
+    Waiter waiter;
+    {
+        std::lock_guard<std::mutex> hold(waiters_lock);
+        auto it = waiters.find(id);
+        if (it != waiters.end()) return it->second;
+        waiter = Waiter{++tickets, promise->get_future().share()};
+        waiters[id] = waiter;
+    }
+    auto run = [id, promise] {
+        Outcome outcome;
+        outcome.code = synchronize(id, &outcome.drained);
+        if (outcome.code != ACL_SUCCESS) outcome.message = recent_error;  // this thread's
+        promise->set_value(std::move(outcome));
+    };
+    if (detached) {
+        try {
+            std::thread(run).detach();
+            return waiter;
+        } catch (const std::system_error &) {  // no thread to be had: the caller waits it out
+        }
+    }
+    run();
+    return waiter;
+}
+
+// A finished synchronize's outcome: the first to collect it settles its events and reports a queued call's
+// failure (once, as the server reports it once; for the others that is success). A synchronize that never
+// reached the server fails for every caller that waited on it.
+aclError collect(int64_t id, const Waiter &waiter)
+{
+    const Outcome &outcome = waiter.done.get();
+    bool first = false;
+    {
+        std::lock_guard<std::mutex> hold(waiters_lock);
+        auto it = waiters.find(id);
+        if (it != waiters.end() && it->second.ticket == waiter.ticket) {
+            first = true;
+            settle(id, waiter.ticket, outcome);  // before it is gone: a wait that finds it gone sees the events so
+            waiters.erase(it);
+        }
+    }
+    if (outcome.code == ACL_SUCCESS || (!first && outcome.drained)) return ACL_SUCCESS;
+    return fail(outcome.code, outcome.message);
+}
+
+// Waits until a synchronize of stream `id` drawn after ticket `after` has answered (one under way that began
+// earlier is waited for, then another begun), up to `timeout_ms` (-1: for ever; 0: only collects one that
+// has answered). ACL_SUCCESS, a queued call's failure, or kStillRunning.
+aclError wait_for(int64_t id, uint64_t after, int32_t timeout_ms)
+{
+    auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(std::max(timeout_ms, 0));
+    for (;;) {
+        Waiter waiter = waiter_for(id, timeout_ms >= 0);
+        if (timeout_ms < 0)
+            waiter.done.wait();
+        else if (waiter.done.wait_until(until) != std::future_status::ready)
+            return kStillRunning;
+        if (aclError code = collect(id, waiter)) return code;
+        if (waiter.ticket > after) return ACL_SUCCESS;
+    }
+}
+
+// Waits for everything queued on stream `id` so far.
+aclError drain(int64_t id) { return wait_for(id, ++tickets, -1); }
+
+aclError create_event(aclrtEvent *event, const char *function)
+{
+    if (!event) return fail(ACL_ERROR_INVALID_PARAM, std::string(function) + ": event is null");
+    void *created = new_handle();
+    if (!created)
+        return fail(ACL_ERROR_RT_MEMORY_ALLOCATION, std::string(function) + ": no handle left in this process");
+    live_events.add(created);
+    *event = created;
+    return ACL_SUCCESS;
+}
+
+aclError not_an_event(const char *function)
+{
+    return fail(ACL_ERROR_INVALID_PARAM, std::string(function) + ": not a live event (from aclrtCreateEvent)");
+}
+
+// Waits (up to `timeout_ms`) for the work an event stands for; kStillRunning when the timeout passed first.
+aclError wait_event(aclrtEvent handle, int32_t timeout_ms, const char *function)
+{
+    if (!handle) return fail(ACL_ERROR_INVALID_PARAM, std::string(function) + ": event is null");
+    auto event = live_events.find(handle);
+    if (!event) return not_an_event(function);
+    if (event->state == Event::kPending) {
+        if (aclError code = wait_for(event->stream, event->ticket, timeout_ms)) return code;
+        event = live_events.find(handle);
+        if (!event) return ACL_SUCCESS;  // destroyed meanwhile by another thread: its work is done
+    }
+    if (event->state == Event::kFailed)
+        return fail(event->code, std::string(function) + ": the event's stream reported a failure while it was "
+                                     "pending (" + event->message + ")");
+    return ACL_SUCCESS;  // complete, or never recorded (it stands for no work)
 }
 
 // The copy's direction: the kinds that name one of the four, and ACL_MEMCPY_DEFAULT's from the addresses
@@ -599,7 +755,32 @@ aclError aclrtGetDeviceCount(uint32_t *count)
     return ACL_SUCCESS;
 }
 
-aclError aclrtSynchronizeDevice(void) { return synchronize(-1); }
+// Every stream: the synchronizes under way are collected first (one may hold a failure for its stream's
+// next wait), then the server waits for all of them.
+aclError aclrtSynchronizeDevice(void)
+{
+    std::vector<std::pair<int64_t, Waiter>> running;
+    {
+        std::lock_guard<std::mutex> hold(waiters_lock);
+        running.assign(waiters.begin(), waiters.end());
+    }
+    aclError first = ACL_SUCCESS;
+    std::string message;
+    for (auto &[id, waiter] : running) {
+        waiter.done.wait();
+        aclError code = collect(id, waiter);
+        if (code && !first) {
+            first = code;
+            message = recent_error;
+        }
+    }
+    Outcome outcome;
+    uint64_t ticket = ++tickets;
+    outcome.code = synchronize(-1, &outcome.drained);
+    outcome.message = outcome.code ? recent_error : "";
+    settle(-1, ticket, outcome);  // a failure, of whichever stream: no pending event is known complete
+    return first ? fail(first, message) : outcome.code;
+}
 
 aclError aclrtCreateStream(aclrtStream *stream)
 {
@@ -616,7 +797,7 @@ aclError aclrtDestroyStream(aclrtStream stream)
     if (!stream) return fail(ACL_ERROR_INVALID_PARAM, "aclrtDestroyStream: stream is null");
     int64_t id = stream_id(stream);
     if (id < 0) return not_a_stream("aclrtDestroyStream");
-    aclError code = synchronize(id);  // its queued calls finish first, as on the device
+    aclError code = drain(id);  // its queued calls finish first, as on the device
     live_streams.remove(stream);  // unless destroyed meanwhile elsewhere
     return code;
 }
@@ -624,7 +805,121 @@ aclError aclrtDestroyStream(aclrtStream stream)
 aclError aclrtSynchronizeStream(aclrtStream stream)
 {
     int64_t id = stream_id(stream);
-    return id < 0 ? not_a_stream("aclrtSynchronizeStream") : synchronize(id);
+    return id < 0 ? not_a_stream("aclrtSynchronizeStream") : drain(id);
+}
+
+aclError aclrtSynchronizeStreamWithTimeout(aclrtStream stream, int32_t timeout)
+{
+    if (timeout < -1)  // CANN's own check, and its code
+        return fail(ACL_ERROR_RT_PARAM_INVALID, "aclrtSynchronizeStreamWithTimeout: timeout " +
+                                                    std::to_string(timeout) + " is below -1 (-1 waits for ever)");
+    int64_t id = stream_id(stream);
+    if (id < 0) return not_a_stream("aclrtSynchronizeStreamWithTimeout");
+    aclError code = wait_for(id, ++tickets, timeout);
+    if (code != kStillRunning) return code;
+    return fail(ACL_ERROR_RT_STREAM_SYNC_TIMEOUT,
+                "aclrtSynchronizeStreamWithTimeout: the stream's calls still ran after " + std::to_string(timeout) +
+                    " ms");
+}
+
+aclError aclrtCreateEvent(aclrtEvent *event) { return create_event(event, "aclrtCreateEvent"); }
+
+// Every flag names a device-side capability (timestamps, cross-stream waits, device-only use, capture, IPC)
+// that adds nothing here: events all behave alike. Bits CANN does not define are refused.
+aclError aclrtCreateEventWithFlag(aclrtEvent *event, uint32_t flag)
+{
+    constexpr uint32_t known = ACL_EVENT_SYNC | ACL_EVENT_CAPTURE_STREAM_PROGRESS | ACL_EVENT_TIME_LINE |
+                               ACL_EVENT_DEVICE_USE_ONLY | ACL_EVENT_EXTERNAL | ACL_EVENT_IPC;
+    if (flag & ~known)
+        return fail(ACL_ERROR_INVALID_PARAM,
+                    "aclrtCreateEventWithFlag: flag " + std::to_string(flag) + " has bits CANN does not define");
+    return create_event(event, "aclrtCreateEventWithFlag");
+}
+
+// Nothing waits on the device for an event here (waits are the host's), so it may go at once.
+aclError aclrtDestroyEvent(aclrtEvent event)
+{
+    if (!event) return fail(ACL_ERROR_INVALID_PARAM, "aclrtDestroyEvent: event is null");
+    return live_events.remove(event) ? ACL_SUCCESS : not_an_event("aclrtDestroyEvent");
+}
+
+// Stands for the work queued on the stream so far; a record again stands for the work queued by then.
+aclError aclrtRecordEvent(aclrtEvent event, aclrtStream stream)
+{
+    if (!event) return fail(ACL_ERROR_INVALID_PARAM, "aclrtRecordEvent: event is null");
+    int64_t id = stream_id(stream);
+    if (id < 0) return not_a_stream("aclrtRecordEvent");
+    bool live = live_events.update(event, [id](Event &e) {
+        e = Event{};
+        e.state = Event::kPending;
+        e.stream = id;
+        e.ticket = ++tickets;
+    });
+    return live ? ACL_SUCCESS : not_an_event("aclrtRecordEvent");
+}
+
+// Back to never recorded. On a device, the reset is queued on `stream`, after its waits; here those waits
+// were the host's and have returned, so it takes effect at once.
+aclError aclrtResetEvent(aclrtEvent event, aclrtStream stream)
+{
+    if (!event) return fail(ACL_ERROR_INVALID_PARAM, "aclrtResetEvent: event is null");
+    if (stream_id(stream) < 0) return not_a_stream("aclrtResetEvent");
+    return live_events.update(event, [](Event &e) { e = Event{}; }) ? ACL_SUCCESS : not_an_event("aclrtResetEvent");
+}
+
+// Never blocks: the first query of a pending event starts a synchronize of its stream, which later queries
+// (and waits) collect once it has answered; COMPLETE only once one that began after the record has answered.
+aclError aclrtQueryEventStatus(aclrtEvent event, aclrtEventRecordedStatus *status)
+{
+    if (!event) return fail(ACL_ERROR_INVALID_PARAM, "aclrtQueryEventStatus: event is null");
+    if (!status) return fail(ACL_ERROR_INVALID_PARAM, "aclrtQueryEventStatus: status is null");
+    auto found = live_events.find(event);
+    if (!found) return not_an_event("aclrtQueryEventStatus");
+    if (found->state == Event::kPending) {
+        aclError code = wait_for(found->stream, found->ticket, 0);
+        if (code != ACL_SUCCESS && code != kStillRunning) return code;  // a queued call's failure, reported here
+        found = live_events.find(event);
+        if (!found) return not_an_event("aclrtQueryEventStatus");
+    }
+    *status = found->state == Event::kComplete ? ACL_EVENT_RECORDED_STATUS_COMPLETE
+                                               : ACL_EVENT_RECORDED_STATUS_NOT_READY;
+    return ACL_SUCCESS;
+}
+
+aclError aclrtSynchronizeEvent(aclrtEvent event) { return wait_event(event, -1, "aclrtSynchronizeEvent"); }
+
+aclError aclrtSynchronizeEventWithTimeout(aclrtEvent event, int32_t timeout)
+{
+    if (timeout < -1)  // CANN's own check, and its code
+        return fail(ACL_ERROR_RT_PARAM_INVALID, "aclrtSynchronizeEventWithTimeout: timeout " +
+                                                    std::to_string(timeout) + " is below -1 (-1 waits for ever)");
+    aclError code = wait_event(event, timeout, "aclrtSynchronizeEventWithTimeout");
+    if (code != kStillRunning) return code;
+    return fail(ACL_ERROR_RT_EVENT_SYNC_TIMEOUT,
+                "aclrtSynchronizeEventWithTimeout: the event's work still ran after " + std::to_string(timeout) +
+                    " ms");
+}
+
+// The host waits for the event's work before returning, so whatever the program queues on `stream` next
+// reaches the server after it: the order the device's wait would give (the work queued on `stream` before
+// the wait runs on meanwhile, as on a device).
+aclError aclrtStreamWaitEvent(aclrtStream stream, aclrtEvent event)
+{
+    if (stream_id(stream) < 0) return not_a_stream("aclrtStreamWaitEvent");
+    return wait_event(event, -1, "aclrtStreamWaitEvent");
+}
+
+// CANN's value is the device time between the two records. The server does not report when queued calls
+// run, and host clocks would measure the network instead: refused, after the arguments are checked.
+aclError aclrtEventElapsedTime(float *ms, aclrtEvent startEvent, aclrtEvent endEvent)
+{
+    if (!ms) return fail(ACL_ERROR_INVALID_PARAM, "aclrtEventElapsedTime: ms is null");
+    if (!startEvent || !endEvent) return fail(ACL_ERROR_INVALID_PARAM, "aclrtEventElapsedTime: an event is null");
+    if (!live_events.find(startEvent)) return not_an_event("aclrtEventElapsedTime startEvent");
+    if (!live_events.find(endEvent)) return not_an_event("aclrtEventElapsedTime endEvent");
+    return fail(ACL_ERROR_RT_FEATURE_NOT_SUPPORT,
+                "aclrtEventElapsedTime: the remote device's timestamps are not available (the server does not "
+                "report when queued calls run)");
 }
 
 aclError aclrtMalloc(void **devPtr, size_t size, aclrtMemMallocPolicy)
@@ -731,7 +1026,7 @@ aclError aclrtMemcpyAsync(void *dst, size_t destMax, const void *src, size_t cou
 {
     int64_t id = stream_id(stream);
     if (id < 0) return not_a_stream("aclrtMemcpyAsync");
-    aclError code = synchronize(id);
+    aclError code = drain(id);
     return code ? code : aclrtMemcpy(dst, destMax, src, count, kind);
 }
 
@@ -756,7 +1051,7 @@ aclError aclrtMemsetAsync(void *devPtr, size_t maxCount, int32_t value, size_t c
 {
     int64_t id = stream_id(stream);
     if (id < 0) return not_a_stream("aclrtMemsetAsync");
-    aclError code = synchronize(id);
+    aclError code = drain(id);
     return code ? code : aclrtMemset(devPtr, maxCount, value, count);
 }
 

@@ -18,12 +18,16 @@ extern "C" {
 
 typedef int aclError;
 typedef void *aclrtStream;
+typedef void *aclrtEvent;
 typedef void *aclrtContext;
 typedef uint16_t aclFloat16;
 
 /* aclError values, CANN's (a program may test for any of them); the runtime's own (ACL_ERROR_RT_*) are in
    error_codes/rt_error_codes.h. This library returns ACL_SUCCESS, ACL_ERROR_INVALID_PARAM,
-   ACL_ERROR_RT_INVALID_DEVICEID, ACL_ERROR_RT_MEMORY_ALLOCATION and ACL_ERROR_RT_INTERNAL_ERROR. */
+   ACL_ERROR_RT_PARAM_INVALID (a timeout below -1), ACL_ERROR_RT_INVALID_DEVICEID,
+   ACL_ERROR_RT_MEMORY_ALLOCATION, ACL_ERROR_RT_FEATURE_NOT_SUPPORT (aclrtEventElapsedTime),
+   ACL_ERROR_RT_INTERNAL_ERROR and the two synchronize timeouts (ACL_ERROR_RT_STREAM_SYNC_TIMEOUT,
+   ACL_ERROR_RT_EVENT_SYNC_TIMEOUT). */
 static const int ACL_ERROR_NONE = 0;
 static const int ACL_SUCCESS = 0;
 

@@ -1,4 +1,4 @@
-/* CANN's runtime API (acl_rt.h): devices, streams and device memory, here on a remote aclnn-serve. */
+/* CANN's runtime API (acl_rt.h): devices, streams, events and device memory, here on a remote aclnn-serve. */
 #ifndef ACLNN_REMOTE_ACL_RT_H_
 #define ACLNN_REMOTE_ACL_RT_H_
 
@@ -25,6 +25,19 @@ typedef enum {
     ACL_MEMCPY_INTER_DEVICE_TO_DEVICE = 7,
 } aclrtMemcpyKind;
 
+/* aclrtCreateEventWithFlag's flags: accepted, and all mean the same here (see aclrtCreateEventWithFlag). */
+#define ACL_EVENT_SYNC 0x00000001U
+#define ACL_EVENT_CAPTURE_STREAM_PROGRESS 0x00000002U
+#define ACL_EVENT_TIME_LINE 0x00000008U
+#define ACL_EVENT_DEVICE_USE_ONLY 0x00000010U
+#define ACL_EVENT_EXTERNAL 0x00000020U
+#define ACL_EVENT_IPC 0x00000040U
+
+typedef enum aclrtEventRecordedStatus {
+    ACL_EVENT_RECORDED_STATUS_NOT_READY = 0, /* not recorded, its work not known complete, or failed */
+    ACL_EVENT_RECORDED_STATUS_COMPLETE = 1,
+} aclrtEventRecordedStatus;
+
 typedef enum aclrtRunMode {
     ACL_DEVICE = 0,
     ACL_HOST = 1,
@@ -48,6 +61,21 @@ ACL_FUNC_VISIBILITY aclError aclrtGetRunMode(aclrtRunMode *runMode);
 ACL_FUNC_VISIBILITY aclError aclrtCreateStream(aclrtStream *stream);
 ACL_FUNC_VISIBILITY aclError aclrtDestroyStream(aclrtStream stream);
 ACL_FUNC_VISIBILITY aclError aclrtSynchronizeStream(aclrtStream stream);
+/* timeout in ms: -1 waits for ever, 0 only asks; past it, ACL_ERROR_RT_STREAM_SYNC_TIMEOUT. */
+ACL_FUNC_VISIBILITY aclError aclrtSynchronizeStreamWithTimeout(aclrtStream stream, int32_t timeout);
+
+/* Events: the host waits where the device would (aclrtStreamWaitEvent returns once the event's work is done). */
+ACL_FUNC_VISIBILITY aclError aclrtCreateEvent(aclrtEvent *event);
+ACL_FUNC_VISIBILITY aclError aclrtCreateEventWithFlag(aclrtEvent *event, uint32_t flag);
+ACL_FUNC_VISIBILITY aclError aclrtDestroyEvent(aclrtEvent event);
+ACL_FUNC_VISIBILITY aclError aclrtRecordEvent(aclrtEvent event, aclrtStream stream);
+ACL_FUNC_VISIBILITY aclError aclrtResetEvent(aclrtEvent event, aclrtStream stream);
+ACL_FUNC_VISIBILITY aclError aclrtQueryEventStatus(aclrtEvent event, aclrtEventRecordedStatus *status);
+ACL_FUNC_VISIBILITY aclError aclrtSynchronizeEvent(aclrtEvent event);
+ACL_FUNC_VISIBILITY aclError aclrtSynchronizeEventWithTimeout(aclrtEvent event, int32_t timeout);
+ACL_FUNC_VISIBILITY aclError aclrtStreamWaitEvent(aclrtStream stream, aclrtEvent event);
+/* No device timestamps reach the host: ACL_ERROR_RT_FEATURE_NOT_SUPPORT for live events. */
+ACL_FUNC_VISIBILITY aclError aclrtEventElapsedTime(float *ms, aclrtEvent startEvent, aclrtEvent endEvent);
 
 /* Device memory lives on the server: the pointer is opaque (never dereference it on the host). */
 ACL_FUNC_VISIBILITY aclError aclrtMalloc(void **devPtr, size_t size, aclrtMemMallocPolicy policy);
