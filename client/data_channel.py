@@ -23,11 +23,11 @@ from collections.abc import Callable, Iterator
 
 import grpc
 import numpy as np
-from google.rpc import status_pb2
+from google.protobuf.message import DecodeError
 
 from aclnn_common._proto import aclnn_pb2 as pb
 from aclnn_common.chunks import copy_bytes
-from aclnn_common.errors import AclnnError, Status
+from aclnn_common.errors import AclnnError, Status, malformed
 from aclnn_common.framing import (
     ATTACHED,
     CALL,
@@ -53,7 +53,7 @@ from aclnn_common.framing import (
     ConnectionLost,
     aligned,
 )
-from aclnn_common.wire import decode_status
+from aclnn_common.wire import decode_status_bytes
 
 from .regions import Region
 
@@ -78,6 +78,11 @@ _REGISTER_BACKOFF_S = 0.005
 _COALESCE_BYTES = 64 << 10
 # Strided downloads are scattered through a bounce buffer of this size.
 _BOUNCE_BYTES = 4 << 20
+# A reply is at most the server's message limit (it keeps or places results beyond it) and this much
+# more; an error reply, a google.rpc.Status, at most this: a length beyond is no reply of a server of
+# ours, and would have been buffered whole.
+_REPLY_ROOM_BYTES = 1 << 20
+_ERROR_REPLY_BYTES = 1 << 20
 # A pooled connection idle longer than this is checked before use: the server may have closed it
 # (it reaps idle connections, or restarted). Busier ones skip the check: a closed one fails its call.
 _CHECK_IDLE_S = 0.5
@@ -95,10 +100,39 @@ class NoConnection(Exception):
         self.refused = refused
 
 
+# The deadline (time.monotonic()) of the exchange this thread is in, or None: each receive and send of
+# it gets what is left, since a socket's timeout bounds one operation alone (a peer sending a byte a
+# second held a call for ever).
+_exchange = threading.local()
+
+
+@contextlib.contextmanager
+def _within(seconds: float | None) -> Iterator[None]:
+    """Bounds this thread's socket operations to `seconds` from now in all (and to any bound already set)."""
+    outer = getattr(_exchange, "deadline", None)
+    deadline = outer if seconds is None else time.monotonic() + seconds
+    _exchange.deadline = deadline if outer is None else min(deadline, outer)
+    try:
+        yield
+    finally:
+        _exchange.deadline = outer
+
+
+def _arm(sock: socket.socket) -> None:
+    """Gives the socket's next operation what is left of this thread's deadline (TimeoutError: none)."""
+    deadline = getattr(_exchange, "deadline", None)
+    if deadline is not None:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("the deadline passed")
+        sock.settimeout(left)
+
+
 def recv_into(sock: socket.socket, view: memoryview) -> None:
     """Fills `view` from the socket; ConnectionLost if the peer closes first."""
     received, total = 0, view.nbytes
     while received < total:
+        _arm(sock)
         count = sock.recv_into(view[received:], total - received)
         if count == 0:
             raise ConnectionLost(f"connection closed after {received} of {total} bytes")
@@ -113,6 +147,7 @@ def recv_exact(sock: socket.socket, size: int) -> memoryview:
 
 
 def send(sock: socket.socket, header: bytes, payload: bytes | memoryview = b"") -> None:
+    _arm(sock)  # sendall's timeout bounds it in all
     if len(payload) <= _COALESCE_BYTES:
         sock.sendall(header + bytes(payload))
     else:
@@ -124,10 +159,12 @@ def send_parts(sock: socket.socket, parts: list[bytes | memoryview]) -> None:
     """Sends the parts in order: a plain socket takes them with sendmsg (no copy), TLS one at a time."""
     if isinstance(sock, ssl.SSLSocket):
         for part in parts:
+            _arm(sock)
             sock.sendall(part)
         return
     views = [view for view in (memoryview(part).cast("B") for part in parts) if view.nbytes]
     while views:
+        _arm(sock)
         sent = sock.sendmsg(views)
         while views and sent >= views[0].nbytes:
             sent -= views.pop(0).nbytes
@@ -274,7 +311,7 @@ class DataChannel:
                 mailbox.map[: len(head)] = head
                 for offset, data in parts:
                     copy_bytes(mailbox.array[offset : offset + data.nbytes], data)
-                conn.sock.sendall(_header(kind | IN_MAILBOX, stream, timeout, size))
+                send(conn.sock, _header(kind | IN_MAILBOX, stream, timeout, size))
             elif not parts:
                 send(conn.sock, _header(kind, stream, timeout, size), head)
             else:
@@ -286,11 +323,16 @@ class DataChannel:
                 send_parts(conn.sock, pieces)
             reply = self._reply(conn.sock)
         if attachments is not None:
+            if reply.nbytes < MESSAGE_LENGTH.size:
+                raise _lost("a reply too short to hold its message's length")
             end = MESSAGE_LENGTH.size + MESSAGE_LENGTH.unpack_from(reply)[0]
             if end > reply.nbytes:
                 raise _lost("a reply whose message runs past its length")
             reply, attachments.received = reply[MESSAGE_LENGTH.size : end], reply[min(aligned(end), reply.nbytes) :]
-        return METHODS[method][1].FromString(reply)
+        try:
+            return METHODS[method][1].FromString(reply)
+        except DecodeError:
+            raise malformed(f"a {method} reply that does not parse") from None
 
     def upload(self, data: memoryview, timeout: float | None, reservation: str = "") -> str:
         """Stores the bytes on the server (in the memory of a call's reservation, if given); returns their handle."""
@@ -300,9 +342,9 @@ class DataChannel:
                 payload = REGION.pack(data.nbytes) + reservation.encode()
                 send(sock, _header(RESERVED_UPLOAD, None, timeout, len(payload)), payload)
             else:
-                sock.sendall(_header(UPLOAD, None, timeout, data.nbytes))
+                send(sock, _header(UPLOAD, None, timeout, data.nbytes))
             self._reply(sock)  # the server holds room for the bytes
-            sock.sendall(data)
+            send(sock, b"", data)
             reply = self._reply(sock)
         return pb.TensorHandle.FromString(reply).handle
 
@@ -324,7 +366,7 @@ class DataChannel:
             send(conn.sock, _header(WRITE_BUFFER, None, timeout, len(payload)), payload)
             if not inline:
                 self._reply(conn.sock)  # the server takes the bytes
-                conn.sock.sendall(data)
+                send(conn.sock, b"", data)
             self._reply(conn.sock)
 
     def _receive(self, kind: int, request: object, view: np.ndarray, timeout: float | None) -> None:
@@ -447,6 +489,7 @@ class DataChannel:
         payload = REGION.pack(size)
         send(sock, _header(kind, None, timeout, len(payload)), payload)
         self._reply(sock)  # the server is ready for the descriptor (a refusal raises: nothing was passed)
+        _arm(sock)
         socket.send_fds(sock, [b"\0"], [fd])
         return self._reply(sock)
 
@@ -463,9 +506,13 @@ class DataChannel:
             self._slots.release()
 
     def _exchange(self, timeout: float | None) -> Iterator[_Connection]:
-        conn = self._checkout()
-        if conn.sock.gettimeout() != timeout:
-            conn.sock.settimeout(timeout)
+        with _within(timeout):  # the call's deadline bounds the whole exchange, its connection's admission too
+            yield from self._in_step(self._checkout(), timeout)
+
+    def _in_step(self, conn: _Connection, timeout: float | None) -> Iterator[_Connection]:
+        """The exchange on `conn`: back to the pool if it stayed in step, else closed."""
+        if timeout is None and conn.sock.gettimeout() is not None:
+            conn.sock.settimeout(None)
         try:
             yield conn
         except AclnnError:
@@ -517,8 +564,9 @@ class DataChannel:
             except OSError as exc:
                 raise NoConnection(f"cannot connect to {self}: {exc}", refused=False) from None
             try:
-                sock.sendall(MAGIC + self._ticket)
-                self._reply(sock)
+                with _within(self._connect_timeout):  # admission in all, not each byte of its reply
+                    send(sock, MAGIC + self._ticket)
+                    self._reply(sock)
                 return sock
             except AclnnError as error:
                 sock.close()
@@ -559,7 +607,9 @@ class DataChannel:
         """The length of an ok reply; an error reply is raised as its AclnnError."""
         ok, length = REPLY.unpack(recv_exact(sock, REPLY.size))
         if not ok:
-            raise decode_status(status_pb2.Status.FromString(recv_exact(sock, length)))
+            if length > _ERROR_REPLY_BYTES:
+                raise ConnectionLost(f"an error reply of {length} bytes")
+            raise decode_status_bytes(recv_exact(sock, length))
         return length
 
     def _reply(self, sock: socket.socket) -> memoryview:
@@ -580,6 +630,8 @@ class DataChannel:
         end = REPLY.size + length
         if got > end:
             raise ConnectionLost("bytes beyond the reply")
+        if length > (self._socket_payload_bytes + _REPLY_ROOM_BYTES if ok else _ERROR_REPLY_BYTES):
+            raise ConnectionLost(f"a{'' if ok else 'n error'} reply of {length} bytes, over what the server sends")
         if end <= first.nbytes:
             payload = first[REPLY.size : end]
         else:  # a large reply: a buffer of its size, committed as its bytes arrive
@@ -587,7 +639,7 @@ class DataChannel:
             payload[: got - REPLY.size] = first[REPLY.size : got]
         recv_into(sock, payload[got - REPLY.size :])
         if not ok:
-            raise decode_status(status_pb2.Status.FromString(payload))
+            raise decode_status_bytes(payload)
         return payload
 
 

@@ -94,7 +94,8 @@ class BoundCall:
 
         A result is an array (already in place when it is the view itself: see `destinations`),
         or anything with shape, dtype and write_into(view) (a download that streams straight
-        into the caller's memory).
+        into the caller's memory). Downloads are written first, so that a download that fails
+        leaves the results in hand unwritten (outputs that share memory keep the order passed).
         """
         # In the order the call passed its outputs, whatever order the results came in (a reply's map
         # has none): outputs sharing memory end as the last one passed wrote them, on every path.
@@ -102,6 +103,11 @@ class BoundCall:
             n for n in results if n not in self.output_targets
         ]
         views = {name: _output_view(name, self.output_targets.get(name), results[name]) for name in order}
+        arrays = list(views.values())
+        if not any(np.may_share_memory(a, b) for i, a in enumerate(arrays) for b in arrays[i + 1 :]):
+            # Downloads first (they can still fail): results in hand are written once every one arrived.
+            downloads = [n for n in views if not isinstance(results[n], np.ndarray)]
+            views = {n: views[n] for n in downloads + [n for n in views if n not in downloads]}
         for name, view in views.items():
             result = results[name]
             if not isinstance(result, np.ndarray):

@@ -10,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from ._proto import aclnn_pb2 as pb
+from .errors import malformed
 
 # gRPC upload/download chunk size, from bench/chunks.py on loopback (2 cores): 1-2 MiB moved the
 # most (~0.9-1.5 GB/s each way); 16 MiB half as much. The data channel needs no chunks.
@@ -77,12 +78,14 @@ def receive_into(view: np.ndarray, chunks: Iterable[pb.TensorChunk]) -> None:
     for chunk in chunks:
         data = chunk.data
         if chunk.offset != received or received + len(data) > view.nbytes:
-            raise ValueError(f"download out of order at byte {chunk.offset} (expected {received})")
+            raise malformed(f"a download chunk at byte {chunk.offset} of {len(data)} (expected byte {received})")
         if flat is not None:
             flat[received : received + len(data)] = np.frombuffer(data, np.uint8)
         else:  # a strided output view: chunks are whole elements, placed through the flat iterator
+            if received % itemsize or len(data) % itemsize:
+                raise malformed(f"a download chunk of {len(data)} bytes at byte {received}: not whole elements")
             first = received // itemsize
             view.flat[first : first + len(data) // itemsize] = np.frombuffer(data, view.dtype)
         received += len(data)
     if received != view.nbytes:
-        raise ValueError(f"download truncated: {received} of {view.nbytes} bytes")
+        raise malformed(f"a download of {received} of {view.nbytes} bytes")

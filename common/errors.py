@@ -55,3 +55,9 @@ def null_error(param: str, message: str = "") -> AclnnError:
 
 def invalid_error(param: str, message: str) -> AclnnError:
     return AclnnError(Status.PARAM_INVALID, f"{param}: {message}", param)
+
+
+def malformed(what: str) -> AclnnError:
+    """A reply no server of ours sends (a buggy or impostor server, or bytes changed on the way): a
+    runtime error, never a Python exception from decoding it."""
+    return AclnnError(Status.RUNTIME_ERROR, f"malformed reply from the server: {what}")

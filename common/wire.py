@@ -7,13 +7,14 @@ from collections.abc import Mapping
 
 import grpc
 import numpy as np
+from google.protobuf.message import DecodeError
 from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
 from ._proto import aclnn_pb2 as pb
 from .chunks import byte_view
 from .device import DeviceBuffer
-from .errors import AclnnError, Status
+from .errors import AclnnError, Status, malformed
 from .tensor import BoolArray, IntArray, Tensor, Value
 from .types import numpy_dtype
 
@@ -84,7 +85,11 @@ def decode_output(output: pb.OutputTensor, data: bytes | memoryview | None = Non
     dtype = numpy_dtype(output.data_type)
     if dtype is None:
         raise AclnnError(Status.INNER, f"server returned unknown data type {output.data_type}")
-    return np.frombuffer(output.data if data is None else data, dtype=dtype).reshape(tuple(output.dims))
+    raw = output.data if data is None else data
+    dims = tuple(output.dims)
+    if any(d < 0 for d in dims) or len(raw) != int(np.prod(dims, dtype=object)) * dtype.itemsize:
+        raise malformed(f"a result of {len(raw)} bytes for dims {list(dims)} of {dtype}")
+    return np.frombuffer(raw, dtype=dtype).reshape(dims)
 
 
 def decode_outputs(outputs: Mapping[str, pb.OutputTensor]) -> dict[str, np.ndarray]:
@@ -92,20 +97,33 @@ def decode_outputs(outputs: Mapping[str, pb.OutputTensor]) -> dict[str, np.ndarr
 
 
 def decode_status(status: status_pb2.Status) -> AclnnError:
-    """The AclnnError a google.rpc.Status carries in its ErrorInfo detail (a runtime error without one)."""
+    """The AclnnError a google.rpc.Status carries in its ErrorInfo detail (a runtime error without one,
+    or with a status that is no failure code)."""
     code = _GRPC_CODES.get(status.code, grpc.StatusCode.UNKNOWN)
     for detail in status.details:
         info = error_details_pb2.ErrorInfo()
         if detail.Unpack(info) and info.domain == "aclnn":
-            aclnn_code = int(info.metadata.get("status", Status.INNER))
+            given = info.metadata.get("status", "")
+            aclnn_code = int(given) if given.isdigit() and int(given) > 0 else Status.RUNTIME_ERROR
             return AclnnError(aclnn_code, status.message, info.metadata.get("param", ""), grpc_code=code)
     # Transport failures (server gone, deadline, ...) are runtime errors to the caller.
     return AclnnError(Status.RUNTIME_ERROR, f"{code.name}: {status.message}", grpc_code=code)
 
 
+def decode_status_bytes(payload: bytes | memoryview) -> AclnnError:
+    """The AclnnError of a serialized google.rpc.Status (a data-channel error reply)."""
+    try:
+        return decode_status(status_pb2.Status.FromString(payload))
+    except DecodeError:
+        return malformed("an error reply that is no google.rpc.Status")
+
+
 def decode_error(error: grpc.RpcError) -> AclnnError:
     """The AclnnError a failed RPC carries in its google.rpc.Status."""
-    status = rpc_status.from_call(error) if isinstance(error, grpc.Call) else None
+    try:
+        status = rpc_status.from_call(error) if isinstance(error, grpc.Call) else None
+    except (DecodeError, ValueError):  # details that do not parse, or name another code than the call's
+        status = None
     if status is None:
         code = error.code() if isinstance(error, grpc.Call) else grpc.StatusCode.UNKNOWN
         details = error.details() if isinstance(error, grpc.Call) else str(error)

@@ -608,3 +608,44 @@ def test_example_sources_are_the_seeds_blocks():
         raw = next(seeds.glob(f"{prefix}*.txt")).read_bytes()
         start = raw.rindex(b"```Cpp\n") + len(b"```Cpp\n")
         assert (EXAMPLES / f"{stem}.cpp").read_bytes() == raw[start : raw.index(b"```", start)]
+
+
+def test_a_refusal_whose_status_is_no_failure_code_is_still_a_failure(native_prefix, compiled):
+    """A lying or broken server refuses GetWorkspaceSize with ErrorInfo status "0" (or "abc"): the call
+    fails (561000-class runtime error) and leaves workspaceSize and executor as they were; it returned 0,
+    and a program would launch a stale executor with a garbage workspace."""
+    from concurrent import futures
+
+    import grpc
+    from google.protobuf import any_pb2
+    from google.rpc import code_pb2, error_details_pb2, status_pb2
+    from grpc_status import rpc_status
+
+    from aclnn_common._proto import aclnn_pb2 as pb
+
+    def refused(given: str):
+        def plan(request: bytes, context: grpc.ServicerContext) -> bytes:
+            detail = any_pb2.Any()
+            detail.Pack(error_details_pb2.ErrorInfo(domain="aclnn", reason="X", metadata={"status": given}))
+            status = status_pb2.Status(code=code_pb2.INVALID_ARGUMENT, message="refused", details=[detail])
+            context.abort_with_status(rpc_status.to_status(status))
+
+        return plan
+
+    exe = compiled(PROGRAMS / "refused_plan.cpp")
+    for given in ("0", "abc", "-5"):
+        server = grpc.server(futures.ThreadPoolExecutor(4))
+        handlers = {
+            "MallocBuffer": lambda request, context: pb.BufferInfo(buffer="b1", size=64).SerializeToString(),
+            "GetWorkspaceSize": refused(given),
+        }
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("aclnn.v1.Aclnn", {
+            name: grpc.unary_unary_rpc_method_handler(handler) for name, handler in handlers.items()
+        }),))  # fmt: skip
+        port = server.add_insecure_port("127.0.0.1:0")
+        server.start()
+        try:
+            status, workspace, untouched = run_program(native_prefix, exe, f"127.0.0.1:{port}").split()
+        finally:
+            server.stop(None)
+        assert int(status) != 0 and workspace == "12345" and untouched == "1", (given, status, workspace)

@@ -10,9 +10,10 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <cstdio>
 #include <fstream>
 #include <future>
 #include <map>
@@ -647,7 +648,13 @@ int rpc_failure(const grpc::Status &status)
                 !info.ParseFromString(any.value()) || info.domain() != "aclnn")
                 continue;
             auto found = info.metadata().find("status");
-            if (found != info.metadata().end()) code = std::atoi(found->second.c_str());
+            if (found == info.metadata().end()) continue;
+            // A failure's status is a positive number: anything else (0, "abc", a sign) from a server
+            // that lies or is broken stays a runtime error, never the success a 0 would report.
+            char *end = nullptr;
+            long parsed = std::strtol(found->second.c_str(), &end, 10);
+            if (!found->second.empty() && *end == '\0' && parsed > 0 && parsed <= INT32_MAX)
+                code = static_cast<int>(parsed);
         }
     }
     std::string message = status.error_message();
