@@ -147,10 +147,13 @@ def test_client_streams_share_a_bounded_pool_of_cuda_streams(cuda_backend):
     from aclnn_server.backends.torch_backend.streams import POOL_SIZE
 
     streams = cuda_backend.streams
-    used = {id(streams.stream(("alice", "s", stream_id))) for stream_id in range(1000)}
+    used = {streams.stream(("alice", "s", stream_id)).cuda_stream for stream_id in range(1000)}
     assert len(used) <= POOL_SIZE and len(streams._pool) == POOL_SIZE
     assert streams.stream(("alice", "s", 7)) is streams.stream(("alice", "s", 7))
+    # A call without a client stream waits on its thread's stream: never one that client streams queue on.
+    assert streams.stream(None).cuda_stream not in {s.cuda_stream for s in streams._pool}
     streams.synchronize(("alice", "s", None))
     streams.synchronize(("alice", "s", 7))
     streams.end_session("alice", "s")
+    streams.stream(("alice", "s", 3))  # a call still running as its session ended records nothing
     assert ("alice", "s") not in streams._used

@@ -220,7 +220,7 @@ def layer_norm_backward(c: Call, plan: Plan) -> None:
         c.fill("gradBiasOut", 0)
         return
     tensors = [c.a[k] for k in ("gradOut", "input", "mean", "rstd", "weightOptional") if c.a.get(k) is not None]
-    if not c.wide and fusable(c.torch, tensors):  # CUDA: the same arithmetic in two kernels
+    if not c.wide and fusable(c.torch, tensors, m):  # CUDA: the same arithmetic in two kernels
         fused_layer_norm_backward(c, m, n)
         return
     xt, gt = c.w("input").reshape(m, n), c.w("gradOut").reshape(m, n)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
 from typing import Any
 
 from ...ops.rows import SUM_RUN
@@ -34,6 +35,9 @@ ENABLED = os.environ.get("ACLNN_TORCH_FUSED", "1") != "0"
 ROW_BLOCK_LIMIT = 4096  # elements of a row per chunk: 16 KiB of fp32 registers across the block's warps
 COLUMN_BLOCK = 128
 SMALLEST_BLOCK = 16  # fewer distinct compiled variants for narrow rows
+MAX_GRID = 2**31 - 1  # programs a grid's first axis holds
+# Launches one at a time: Triton's first compile of a kernel variant is not safe from two threads at once.
+_LAUNCHING = threading.Lock()
 
 
 @functools.cache
@@ -46,10 +50,13 @@ def _kernels() -> tuple[Any, Any] | None:
     return rows, columns
 
 
-def fusable(torch: Any, tensors: list[Any]) -> bool:
-    """Whether the fused kernels can run these tensors (CUDA, fp32/fp16/bf16, Triton present)."""
+def fusable(torch: Any, tensors: list[Any], rows: int) -> bool:
+    """Whether the fused kernels can run these tensors (CUDA, fp32/fp16/bf16, Triton present, a grid
+    CUDA can launch: one program per row)."""
     kinds = (torch.float32, torch.float16, torch.bfloat16)
-    return ENABLED and all(t.is_cuda and t.dtype in kinds for t in tensors) and _kernels() is not None
+    return (
+        ENABLED and rows <= MAX_GRID and all(t.is_cuda and t.dtype in kinds for t in tensors) and _kernels() is not None
+    )
 
 
 def _rows_of(t: Any, m: int, n: int) -> Any:
@@ -74,10 +81,11 @@ def fused_layer_norm_backward(c: Any, m: int, n: int) -> None:
         block = _block(n, COLUMN_BLOCK)
         runs = -(-m // SUM_RUN)
         run_sums = torch.empty((2, runs, n), dtype=torch.float32, device=g.device)  # Σ g·x̂ and Σ g per run
-        columns[(runs, -(-n // block))](
-            g, x, mean, rstd, run_sums[0], run_sums[1], m, n, g.stride(0), x.stride(0),
-            RUN=SUM_RUN, BLOCK=block, num_warps=4, enable_fp_fusion=False,
-        )  # fmt: skip
+        with _LAUNCHING:
+            columns[(runs * -(-n // block),)](
+                g, x, mean, rstd, run_sums[0], run_sums[1], m, n, g.stride(0), x.stride(0),
+                RUN=SUM_RUN, BLOCK=block, num_warps=4, enable_fp_fusion=False,
+            )  # fmt: skip
         gradient_weight, gradient_bias = run_sums.sum(1, dtype=torch.float64)  # one launch for both
         c.store("gradWeightOut", gradient_weight)
         c.store("gradBiasOut", gradient_bias)
@@ -86,8 +94,9 @@ def fused_layer_norm_backward(c: Any, m: int, n: int) -> None:
         dx = torch.empty((m, n), dtype=torch.float32, device=g.device) if into is None else into
         block = _block(n, ROW_BLOCK_LIMIT)
         w_arg = g if w is None else w.reshape(n).contiguous()
-        rows[(m,)](
-            g, x, w_arg, mean, rstd, dx, n, g.stride(0), x.stride(0),
-            HAS_W=w is not None, BLOCK=block, num_warps=max(1, min(16, block // 256)), enable_fp_fusion=False,
-        )  # fmt: skip
+        with _LAUNCHING:
+            rows[(m,)](
+                g, x, w_arg, mean, rstd, dx, n, g.stride(0), x.stride(0),
+                HAS_W=w is not None, BLOCK=block, num_warps=max(1, min(16, block // 256)), enable_fp_fusion=False,
+            )  # fmt: skip
         c.store("gradInputOut", dx)

@@ -4,14 +4,17 @@ Each client stream (the engine's key: identity, session, stream id) runs on one 
 streams, chosen by its key's hash, so that its calls stay in order with no state kept per stream id
 (a client that used a new id for each call grew a map of them until its session ended); a session
 remembers only which of the pool's streams its client streams ran on, for a synchronize of all of
-them. A call without a client stream runs on its thread's own CUDA stream. Two client streams may
-share a CUDA stream: their calls then also wait for each other, which only orders what needed no
-order (torch's own pool hands out its 32 streams round-robin the same way). On the cpu device there
-are no streams: a call runs as it is made.
+them. A call without a client stream runs on its thread's CUDA stream, from torch's high-priority
+pool: never one of the client streams' (its caller waits for it, and a wait on a stream another
+tenant queues on would wait for that tenant's work too), and scheduled ahead of queued work. Two
+client streams may share a CUDA stream: their calls then also wait for each other, which only
+orders what needed no order (torch's own pool hands out its 32 streams round-robin the same way).
+On the cpu device there are no streams: a call runs as it is made.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import threading
 from collections.abc import Iterator
@@ -22,6 +25,7 @@ from aclnn_common.errors import AclnnError, Status
 from ...streams import StreamKey
 
 POOL_SIZE = 32  # CUDA streams client streams share (torch's pool holds 32 per device and priority)
+ENDED_REMEMBERED = 4096  # sessions ended lately: a call of one still running records nothing for it
 
 
 def device_failure(exc: BaseException) -> AclnnError:
@@ -37,6 +41,7 @@ class DeviceStreams:
         self.cuda = device.type == "cuda"
         self._pool: list[Any] = []  # made at the first client stream's call
         self._used: dict[tuple[Any, Any], set[int]] = {}  # (identity, session) -> the pool's streams it ran on
+        self._ended: collections.OrderedDict[tuple[Any, Any], None] = collections.OrderedDict()
         self._lock = threading.Lock()
         self._local = threading.local()
 
@@ -47,13 +52,14 @@ class DeviceStreams:
         if key is None:
             stream = getattr(self._local, "stream", None)
             if stream is None:
-                stream = self._local.stream = self.torch.cuda.Stream(self.device)
+                stream = self._local.stream = self.torch.cuda.Stream(self.device, priority=-1)
             return stream
         index = hash(key) % POOL_SIZE
         with self._lock:
             if not self._pool:
                 self._pool = [self.torch.cuda.Stream(self.device) for _ in range(POOL_SIZE)]
-            self._used.setdefault(key[:2], set()).add(index)
+            if key[:2] not in self._ended:  # a call still running when its session ended
+                self._used.setdefault(key[:2], set()).add(index)
             return self._pool[index]
 
     @contextlib.contextmanager
@@ -88,3 +94,6 @@ class DeviceStreams:
         """An identity's session ended: nothing of it is kept (what it launched runs on, on the pool's streams)."""
         with self._lock:
             self._used.pop((owner, session), None)
+            self._ended[(owner, session)] = None
+            if len(self._ended) > ENDED_REMEMBERED:
+                self._ended.popitem(last=False)

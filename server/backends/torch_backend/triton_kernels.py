@@ -45,8 +45,11 @@ def rows(G, X, W, MEAN, RSTD, DX, n, g_row, x_row, HAS_W: tl.constexpr, BLOCK: t
 
 @triton.jit
 def columns(G, X, MEAN, RSTD, GX_RUNS, G_RUNS, m, n, g_row, x_row, RUN: tl.constexpr, BLOCK: tl.constexpr):
-    run = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    # One flat grid axis (a grid's second axis holds at most 65535 blocks: rows of 8 Mi elements)
+    program = tl.program_id(0).to(tl.int64)
+    blocks = tl.cdiv(n, BLOCK)
+    run = program // blocks
+    cols = (program % blocks) * BLOCK + tl.arange(0, BLOCK)
     inside = cols < n
     gx_sums = tl.zeros([BLOCK], dtype=tl.float32)
     g_sums = tl.zeros([BLOCK], dtype=tl.float32)
