@@ -346,7 +346,10 @@ class DataChannel:
             self._reply(sock)  # the server holds room for the bytes
             send(sock, b"", data)
             reply = self._reply(sock)
-        return pb.TensorHandle.FromString(reply).handle
+        try:
+            return pb.TensorHandle.FromString(reply).handle
+        except DecodeError:
+            raise malformed("an UPLOAD reply that does not parse") from None
 
     def download(self, handle: str, view: np.ndarray, timeout: float | None) -> None:
         """Receives a handle's bytes straight into `view` (through a bounce buffer when strided)."""
@@ -397,7 +400,10 @@ class DataChannel:
         if known is not None:
             return known
         with self._connection(timeout) as conn:
-            region_id = bytes(self._pass_memfd(conn.sock, REGISTER_REGION, fd, size, timeout)).decode()
+            try:
+                region_id = bytes(self._pass_memfd(conn.sock, REGISTER_REGION, fd, size, timeout)).decode("ascii")
+            except UnicodeDecodeError:
+                raise malformed("a region id that is not ASCII") from None
         with self._lock:
             self._regions[region] = region_id
         return region_id
@@ -622,6 +628,7 @@ class DataChannel:
         first = memoryview(np.empty(_COALESCE_BYTES, np.uint8))
         got = 0
         while got < REPLY.size:
+            _arm(sock)
             count = sock.recv_into(first[got:])
             if count == 0:
                 raise ConnectionLost(f"connection closed after {got} bytes of a reply")

@@ -66,12 +66,15 @@ def lying_peer() -> Iterator[Callable[[Peer], DataChannel]]:
         listener.close()
 
 
-def trickle(conn: socket.socket, announced: int) -> None:
-    """A reply header announcing `announced` bytes, then a byte a second (what a socket timeout alone misses)."""
-    conn.sendall(REPLY.pack(1, announced))
-    for _ in range(announced):
+def trickle(conn: socket.socket, announced: int, header_too: bool = False) -> None:
+    """A reply announcing `announced` bytes, sent two bytes a second (what a socket timeout alone
+    misses): its header at once, or (`header_too`) that too."""
+    reply = REPLY.pack(1, announced) + bytes(announced)
+    start = 0 if header_too else REPLY.size
+    conn.sendall(reply[:start])
+    for at in range(start, len(reply)):
         time.sleep(0.5)
-        conn.sendall(b"\0")
+        conn.sendall(reply[at : at + 1])
 
 
 def timed(call: Callable[[], object]) -> tuple[AclnnError, float]:
@@ -81,10 +84,11 @@ def timed(call: Callable[[], object]) -> tuple[AclnnError, float]:
     return err.value, time.monotonic() - started
 
 
-def test_a_trickled_reply_ends_at_the_calls_deadline(lying_peer):
-    channel = lying_peer(lambda conn: (admit(conn), read_request(conn), trickle(conn, 200)))
+@pytest.mark.parametrize("header_too", [False, True], ids=["payload", "header"])
+def test_a_trickled_reply_ends_at_the_calls_deadline(lying_peer, header_too):
+    channel = lying_peer(lambda conn: (admit(conn), read_request(conn), trickle(conn, 200, header_too)))
     error, took = timed(lambda: channel.call("MallocBuffer", pb.MallocRequest(size=16), None, timeout=1.5))
-    assert "DEADLINE_EXCEEDED" in error.message and took < 5, (error, took)
+    assert "DEADLINE_EXCEEDED" in error.message and took < 3, (error, took)
 
 
 def test_a_trickled_admission_ends_at_the_connect_timeout(lying_peer):
