@@ -87,7 +87,7 @@ def timed(call: Callable[[], object]) -> tuple[AclnnError, float]:
 @pytest.mark.parametrize("header_too", [False, True], ids=["payload", "header"])
 def test_a_trickled_reply_ends_at_the_calls_deadline(lying_peer, header_too):
     channel = lying_peer(lambda conn: (admit(conn), read_request(conn), trickle(conn, 200, header_too)))
-    error, took = timed(lambda: channel.call("MallocBuffer", pb.MallocRequest(size=16), None, timeout=1.5))
+    error, took = timed(lambda: channel.call("MallocBuffer", pb.MallocRequest(size=16), None, timeout=1.0))
     assert "DEADLINE_EXCEEDED" in error.message and took < 3, (error, took)
 
 
