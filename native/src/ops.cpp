@@ -18,7 +18,7 @@ struct Executor {
 
 // The executors planned and not yet consumed by their single launch or destroyed, by handle (new_handle:
 // a stale one never names a newer executor). A call holds its executor while it uses it.
-Registry<std::shared_ptr<Executor>> live_executors;
+Registry<std::shared_ptr<Executor>> &live_executors = *new Registry<std::shared_ptr<Executor>>;  // never destroyed
 
 std::shared_ptr<Executor> live(aclOpExecutor *executor) { return live_executors.find(executor).value_or(nullptr); }
 
@@ -110,7 +110,9 @@ aclnnStatus launch(const char *op, aclOpExecutor *executor, aclrtStream stream)
     aclnn::v1::ExecuteResponse reply;
     grpc::Status status = stub().Execute(context(on).get(), request, &reply);
     if (!planned->repeatable) retire(executor);  // single use: the launch consumed it
-    return status.ok() ? ACLNN_SUCCESS : rpc_failure(status);
+    if (!status.ok()) return rpc_failure(status);
+    launched(on);
+    return ACLNN_SUCCESS;
 }
 
 }  // namespace aclnn_remote

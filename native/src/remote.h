@@ -86,6 +86,10 @@ std::unique_ptr<grpc::ClientContext> context(int64_t stream = -1);
 // a live stream (destroyed, or never made by aclrtCreateStream).
 int64_t stream_id(void *stream);
 
+// A call was queued on stream `stream` (the server answered its launch): a timed synchronize waits for
+// an answer that covers it, and takes any answer that began after it.
+void launched(int64_t stream);
+
 // Resolves a pointer into device memory; false when it is not inside a live allocation.
 bool resolve(const void *ptr, DeviceRef *ref);
 

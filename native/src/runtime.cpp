@@ -248,8 +248,10 @@ void keep_alive()
     });
 }
 
+// The registries below are never destroyed, as the connection is not: a thread still inside a call when
+// the program returns from main (another thread waiting on a stream, say) must not find them freed.
 std::atomic<int64_t> next_stream{1};
-Registry<int64_t> live_streams;  // created and not yet destroyed, with their ids
+Registry<int64_t> &live_streams = *new Registry<int64_t>;  // created and not yet destroyed, with their ids
 std::atomic<int> initialized{0};
 
 // Contexts: handles on the one device, each thread's current one. They hold nothing of their own:
@@ -257,7 +259,7 @@ std::atomic<int> initialized{0};
 // correct on CANN, keeping each stream in its context, cannot tell apart.
 struct Context {};
 Context default_context;
-Registry<bool> contexts{{&default_context, true}};  // the live ones, and whether each is the default
+Registry<bool> &contexts = *new Registry<bool>{{&default_context, true}};  // the live ones; whether each is the default
 std::atomic<bool> device_set{false};
 thread_local Context *current_context = nullptr;
 
@@ -425,7 +427,7 @@ struct Event {
     aclError code = ACL_SUCCESS;  // kFailed: the failure its stream's synchronize answered, and its message
     std::string message;
 };
-Registry<Event> live_events;  // created and not yet destroyed
+Registry<Event> &live_events = *new Registry<Event>;  // created and not yet destroyed
 
 struct Outcome {
     aclError code = ACL_SUCCESS;
@@ -438,8 +440,9 @@ struct Waiter {
     uint64_t ticket = 0;
     std::shared_future<Outcome> done;
 };
-std::mutex waiters_lock;
-std::map<int64_t, Waiter> waiters;  // stream id -> its synchronize; at most one each (waits share it)
+std::mutex &waiters_lock = *new std::mutex;
+std::map<int64_t, Waiter> &waiters = *new std::map<int64_t, Waiter>;  // stream id -> its synchronize (shared)
+std::map<int64_t, uint64_t> &last_launches = *new std::map<int64_t, uint64_t>;  // stream id -> its last launch's ticket
 constexpr aclError kStillRunning = -1;  // wait_for: the timeout passed first
 
 // The events pending on `stream` (every stream: -1) with tickets below `ticket`: complete, or failed when the
@@ -527,6 +530,16 @@ aclError wait_for(int64_t id, uint64_t after, int32_t timeout_ms)
 
 // Waits for everything queued on stream `id` so far.
 aclError drain(int64_t id) { return wait_for(id, ++tickets, -1); }
+
+}  // namespace
+
+void launched(int64_t stream)
+{
+    std::lock_guard<std::mutex> hold(waiters_lock);
+    last_launches[stream] = ++tickets;
+}
+
+namespace {
 
 aclError create_event(aclrtEvent *event, const char *function)
 {
@@ -822,7 +835,13 @@ aclError aclrtSynchronizeStreamWithTimeout(aclrtStream stream, int32_t timeout)
                                                     std::to_string(timeout) + " is below -1 (-1 waits for ever)");
     int64_t id = stream_id(stream);
     if (id < 0) return not_a_stream("aclrtSynchronizeStreamWithTimeout");
-    aclError code = wait_for(id, ++tickets, timeout);
+    uint64_t after = 0;  // a synchronize begun after the stream's last launch covers everything queued on it
+    {
+        std::lock_guard<std::mutex> hold(waiters_lock);
+        auto found = last_launches.find(id);
+        if (found != last_launches.end()) after = found->second;
+    }
+    aclError code = wait_for(id, after, timeout);
     if (code != kStillRunning) return code;
     return fail(ACL_ERROR_RT_STREAM_SYNC_TIMEOUT,
                 "aclrtSynchronizeStreamWithTimeout: the stream's calls still ran after " + std::to_string(timeout) +

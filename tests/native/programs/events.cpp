@@ -175,6 +175,16 @@ int main(int argc, char **argv)
     }
     report("query_polled", polled);
     report("polled_complete", status == ACL_EVENT_RECORDED_STATUS_COMPLETE ? 0 : 1);
+    // The same for a stream: polled with timeout 0 after a launch, a synchronize begun after it answers
+    // (each poll drew a newer ticket than the answer there, and threw it away: it never succeeded).
+    CHECK(layer_norm(a, t0, norm, w_t, bias_t, t1, mean_t, rstd_t));
+    long long stream_polled = ACL_ERROR_RT_STREAM_SYNC_TIMEOUT;
+    polling_until = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+    while (stream_polled == ACL_ERROR_RT_STREAM_SYNC_TIMEOUT && std::chrono::steady_clock::now() < polling_until) {
+        stream_polled = aclrtSynchronizeStreamWithTimeout(a, 0);
+        std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    report("stream_polled_with_timeout_0", stream_polled);
     report("synchronize_event_with_timeout", aclrtSynchronizeEventWithTimeout(timed, 60000));
     report("synchronize_event_for_ever", aclrtSynchronizeEventWithTimeout(timed, -1));
     float ms = 0;
