@@ -103,24 +103,24 @@ class NoConnection(Exception):
 # The deadline (time.monotonic()) of the exchange this thread is in, or None: each receive and send of
 # it gets what is left, since a socket's timeout bounds one operation alone (a peer sending a byte a
 # second held a call for ever).
-_exchange = threading.local()
+_thread_deadline = threading.local()
 
 
 @contextlib.contextmanager
 def _within(seconds: float | None) -> Iterator[None]:
     """Bounds this thread's socket operations to `seconds` from now in all (and to any bound already set)."""
-    outer = getattr(_exchange, "deadline", None)
+    outer = getattr(_thread_deadline, "at", None)
     deadline = outer if seconds is None else time.monotonic() + seconds
-    _exchange.deadline = deadline if outer is None else min(deadline, outer)
+    _thread_deadline.at = deadline if outer is None else min(deadline, outer)
     try:
         yield
     finally:
-        _exchange.deadline = outer
+        _thread_deadline.at = outer
 
 
 def _arm(sock: socket.socket) -> None:
     """Gives the socket's next operation what is left of this thread's deadline (TimeoutError: none)."""
-    deadline = getattr(_exchange, "deadline", None)
+    deadline = getattr(_thread_deadline, "at", None)
     if deadline is not None:
         left = deadline - time.monotonic()
         if left <= 0:

@@ -129,11 +129,12 @@ class _OffloadedSyncBatchNorm(_OffloadedBatchNorm):
         self._aclnn = _Binding(client)
 
     def forward(self, input: Tensor) -> Tensor:
-        if self.training and not input.is_cuda and self._world_size() > 1:  # PyTorch's own takes only GPU tensors
+        world_size = self._world_size() if self.training else 1
+        if world_size > 1 and not input.is_cuda:  # PyTorch's own SyncBatchNorm takes only GPU tensors
             dtype = unserved_dtype(input, *self._parameters.values(), *self._buffers.values())
             if dtype is not None:
                 raise ValueError(
-                    f"SyncBatchNorm across {self._world_size()} processes on {input.device.type} tensors runs on the "
+                    f"SyncBatchNorm across {world_size} processes on {input.device.type} tensors runs on the "
                     f"aclnn service, which does not serve {str(dtype).removeprefix('torch.')}: train it in float32, "
                     "float16 or bfloat16 (PyTorch's own SyncBatchNorm takes only GPU tensors)"
                 )
@@ -143,8 +144,7 @@ class _OffloadedSyncBatchNorm(_OffloadedBatchNorm):
         self._check_non_zero_input_channels(input)
         running_mean, running_var, bn_training, factor = self._batch_norm_arguments()
         eps, cid = self.eps, self._aclnn.id
-        world_size = self._world_size() if bn_training and self.training else 1
-        if world_size < 2:
+        if world_size < 2:  # one process, or eval: the offloaded BatchNorm
             return batch_norm_with_id(
                 input, running_mean, running_var, self.weight, self.bias, bn_training, factor, eps, cid
             )

@@ -531,6 +531,13 @@ aclError wait_for(int64_t id, uint64_t after, int32_t timeout_ms)
 // Waits for everything queued on stream `id` so far.
 aclError drain(int64_t id) { return wait_for(id, ++tickets, -1); }
 
+// A timed wait's timeout below -1 (-1 waits for ever): CANN's own check, and its code.
+aclError timeout_below_minus_1(const char *function, int32_t timeout)
+{
+    return fail(ACL_ERROR_RT_PARAM_INVALID, std::string(function) + ": timeout " + std::to_string(timeout) +
+                                                " is below -1 (-1 waits for ever)");
+}
+
 }  // namespace
 
 void launched(int64_t stream)
@@ -819,6 +826,8 @@ aclError aclrtDestroyStream(aclrtStream stream)
     if (id < 0) return not_a_stream("aclrtDestroyStream");
     aclError code = drain(id);  // its queued calls finish first, as on the device
     live_streams.remove(stream);  // unless destroyed meanwhile elsewhere
+    std::lock_guard<std::mutex> hold(waiters_lock);
+    last_launches.erase(id);  // its id is never another stream's: nothing of it stays
     return code;
 }
 
@@ -830,9 +839,7 @@ aclError aclrtSynchronizeStream(aclrtStream stream)
 
 aclError aclrtSynchronizeStreamWithTimeout(aclrtStream stream, int32_t timeout)
 {
-    if (timeout < -1)  // CANN's own check, and its code
-        return fail(ACL_ERROR_RT_PARAM_INVALID, "aclrtSynchronizeStreamWithTimeout: timeout " +
-                                                    std::to_string(timeout) + " is below -1 (-1 waits for ever)");
+    if (timeout < -1) return timeout_below_minus_1("aclrtSynchronizeStreamWithTimeout", timeout);
     int64_t id = stream_id(stream);
     if (id < 0) return not_a_stream("aclrtSynchronizeStreamWithTimeout");
     uint64_t after = 0;  // a synchronize begun after the stream's last launch covers everything queued on it
@@ -916,9 +923,7 @@ aclError aclrtSynchronizeEvent(aclrtEvent event) { return wait_event(event, -1, 
 
 aclError aclrtSynchronizeEventWithTimeout(aclrtEvent event, int32_t timeout)
 {
-    if (timeout < -1)  // CANN's own check, and its code
-        return fail(ACL_ERROR_RT_PARAM_INVALID, "aclrtSynchronizeEventWithTimeout: timeout " +
-                                                    std::to_string(timeout) + " is below -1 (-1 waits for ever)");
+    if (timeout < -1) return timeout_below_minus_1("aclrtSynchronizeEventWithTimeout", timeout);
     aclError code = wait_event(event, timeout, "aclrtSynchronizeEventWithTimeout");
     if (code != kStillRunning) return code;
     return fail(ACL_ERROR_RT_EVENT_SYNC_TIMEOUT,

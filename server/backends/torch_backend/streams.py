@@ -54,7 +54,7 @@ class DeviceStreams:
             if stream is None:
                 stream = self._local.stream = self.torch.cuda.Stream(self.device, priority=-1)
             return stream
-        index = hash(key) % POOL_SIZE
+        index = _pooled(key)
         with self._lock:
             if not self._pool:
                 self._pool = [self.torch.cuda.Stream(self.device) for _ in range(POOL_SIZE)]
@@ -85,7 +85,7 @@ class DeviceStreams:
         """Waits for a client stream's launches (every stream of its session when its id is None)."""
         with self._lock:
             used = self._used.get(key[:2], set())
-            indices = used if key[2] is None else used & {hash(key) % POOL_SIZE}
+            indices = used if key[2] is None else used & {_pooled(key)}
             streams = [self._pool[i] for i in sorted(indices)]
         for stream in streams:
             self.wait(stream)
@@ -97,3 +97,8 @@ class DeviceStreams:
             self._ended[(owner, session)] = None
             if len(self._ended) > ENDED_REMEMBERED:
                 self._ended.popitem(last=False)
+
+
+def _pooled(key: StreamKey) -> int:
+    """The index of the pool's CUDA stream a client stream runs on."""
+    return hash(key) % POOL_SIZE
