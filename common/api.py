@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from .binding import BoundCall, bind
+from .binding import INT64_MAX, INT64_MIN, BoundCall, bind
 from .device import DeviceBuffer, buffer_size, byte_count, byte_value, host_bytes, host_target
 from .errors import AclnnError, Status, invalid_error
 from .tensor import Value
@@ -61,6 +61,7 @@ class BaseClient(abc.ABC):
         Calls naming the same `stream` run in submission order; other streams may overlap.
         """
         self._check_open()
+        stream = stream_number(stream)
         if not isinstance(executor, Executor):
             raise invalid_error("executor", f"expected an Executor from get_workspace_size, got {executor!r:.60}")
         self._in_order(stream, lambda: self._execute(executor, stream)).result()
@@ -68,12 +69,14 @@ class BaseClient(abc.ABC):
     def run(self, op: str, /, *, stream: int | None = None, **params: Any) -> None:
         """Both phases in one round trip; fills the outputs in place."""
         self._check_open()
+        stream = stream_number(stream)
         call = bind(op, params, self._output_names(op), self._inout_names(op))
         self._in_order(stream, lambda: self._run(call, stream)).result()
 
     def run_async(self, op: str, /, *, stream: int | None = None, **params: Any) -> concurrent.futures.Future:
         """`run` in the background: the future's result is None once the outputs are filled."""
         self._check_open()
+        stream = stream_number(stream)
         call = bind(op, params, self._output_names(op), self._inout_names(op))
         return self._in_order(stream, lambda: self._run(call, stream), background=True)
 
@@ -160,6 +163,7 @@ class BaseClient(abc.ABC):
     def synchronize(self, stream: int | None = None) -> None:
         """Waits for the calls on `stream` (every stream when None), raising the first failure of a
         call queued there, once (as aclrtSynchronizeStream)."""
+        stream = stream_number(stream)
         with self._async.lock:
             tails = [f for s, f in self._async.tails.items() if stream is None or s == stream]
         concurrent.futures.wait(tails)  # run_async calls of this client reach the server first
@@ -261,6 +265,18 @@ def _after(previous: concurrent.futures.Future | None, work: Callable[[], None])
     if previous is not None:
         concurrent.futures.wait([previous])  # its outcome is its own caller's business
     work()
+
+
+def stream_number(stream: Any) -> int | None:
+    """A call's `stream` as the wire carries it (a signed 64-bit id, as an aclrtStream handle is one
+    word), or None; anything else is refused here, alike on every transport."""
+    if stream is None:
+        return None
+    if isinstance(stream, bool) or not isinstance(stream, (int, np.integer)):
+        raise invalid_error("stream", f"must be an integer stream id or None, got {type(stream).__name__}")
+    if not INT64_MIN <= int(stream) <= INT64_MAX:
+        raise invalid_error("stream", f"{str(int(stream))[:24]} is outside the signed 64-bit range of stream ids")
+    return int(stream)
 
 
 class _AsyncState:

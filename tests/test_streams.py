@@ -6,13 +6,18 @@ from __future__ import annotations
 import threading
 import time
 
+import grpc
 import numpy as np
 import pytest
 from oracle import assert_close
+from rms_norm_cases import rms_norm_call
 from test_device_memory import on_device
 from test_shared_memory import start_server
 
 from aclnn_client import AclnnError, Client
+from aclnn_common._proto import aclnn_pb2 as pb
+from aclnn_common._proto import aclnn_pb2_grpc as pb_grpc
+from aclnn_server import LocalClient
 from aclnn_server.admission import CallAbandoned
 from aclnn_server.errors import CapacityError
 from aclnn_server.streams import StreamQueues
@@ -275,3 +280,53 @@ def test_a_caller_gone_while_waiting_for_room_is_not_queued():
     queues.synchronize("alice", "s", None, deadline())
     assert ran == ["second"]
     queues.close()
+
+
+@pytest.mark.parametrize("transport", ["data channel", "grpc", "local"])
+def test_a_stream_id_is_a_signed_64_bit_integer_on_every_client(serve, transport):
+    """The same ids are taken and refused by every client and transport (the data channel's header
+    holds an int64; gRPC's metadata once took any length of digits, the data channel raised
+    struct.error, and True or '3' passed on one and not the other): a refusal is 161002 naming
+    `stream`, before anything is sent, and the outputs stay unwritten."""
+    rng = np.random.default_rng(0)
+    if transport == "local":
+        c = LocalClient("numpy")
+    else:
+        c = Client(serve().address, data_channel=transport == "data channel")
+    try:
+        for good in (0, -1, 2**63 - 1, -(2**63), np.int64(7)):
+            call = rms_norm_call(rng)
+            c.run(RMS, **call, stream=good)
+            c.synchronize(good)
+            assert np.isfinite(call["yOut"]).all()
+        for bad in (2**63, -(2**63) - 1, 10**400, True, 1.5, "3", np.float64(2)):
+            call = rms_norm_call(rng)
+            y = call["yOut"].copy()
+            _, executor = c.get_workspace_size(RMS, **call)
+            for attempt in (
+                lambda: c.run(RMS, **call, stream=bad),
+                lambda: c.run_async(RMS, **call, stream=bad).result(),
+                lambda: c.execute(executor, stream=bad),
+                lambda: c.synchronize(bad),
+            ):
+                with pytest.raises(AclnnError) as err:
+                    attempt()
+                assert err.value.code == 161002 and err.value.message.startswith("stream"), err.value
+                assert len(err.value.message) < 120
+            np.testing.assert_array_equal(call["yOut"], y)
+    finally:
+        c.close()
+
+
+def test_the_grpc_stream_header_takes_only_what_the_data_channel_can_carry(serve):
+    """x-aclnn-stream from a client of its own: decimal int64, nothing longer or looser."""
+    address = serve().address
+    with grpc.insecure_channel(address) as channel:
+        synchronize = pb_grpc.AclnnStub(channel).Synchronize
+        for good in ("0", "-9223372036854775808", "9223372036854775807"):
+            synchronize(pb.Empty(), metadata=(("x-aclnn-stream", good),), timeout=HANG_S)
+        for bad in ("9223372036854775808", "-9223372036854775809", "9" * 4000, "+1", "1_0", "1.0", ""):
+            with pytest.raises(grpc.RpcError) as err:
+                synchronize(pb.Empty(), metadata=(("x-aclnn-stream", bad),), timeout=HANG_S)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, bad
+            assert "x-aclnn-stream must be a signed 64-bit integer" in err.value.details()

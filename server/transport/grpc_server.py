@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
+import re
 import socket
 import ssl
 import threading
@@ -20,6 +21,7 @@ from grpc_status import rpc_status
 
 from aclnn_common._proto import aclnn_pb2 as pb
 from aclnn_common._proto import aclnn_pb2_grpc as pb_grpc
+from aclnn_common.binding import INT64_MAX, INT64_MIN
 from aclnn_common.chunks import to_chunks
 from aclnn_common.errors import invalid_error
 
@@ -51,13 +53,17 @@ def with_request_id(status: grpc.Status, request_id: str) -> grpc.Status:
     return _Status(status.code, status.details, (*status.trailing_metadata, ("x-request-id", request_id)))
 
 
+_STREAM_ID = re.compile(r"-?[0-9]{1,19}")
+
+
 def stream_id(text: str | None) -> int | None:
+    """x-aclnn-stream's id: a signed 64-bit integer in decimal, as the data channel's header holds one
+    (the same stream on either transport), nothing longer or looser (no sign '+', spaces or '_')."""
     if text is None:
         return None
-    try:
-        return int(text)
-    except ValueError:
-        raise invalid_error("stream", f"x-aclnn-stream must be an integer, got {text!r:.40}") from None
+    if _STREAM_ID.fullmatch(text) is None or not INT64_MIN <= int(text) <= INT64_MAX:
+        raise invalid_error("stream", f"x-aclnn-stream must be a signed 64-bit integer, got {text!r:.40}")
+    return int(text)
 
 
 class _ChunkUpload:
