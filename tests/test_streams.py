@@ -303,15 +303,16 @@ def test_a_stream_id_is_a_signed_64_bit_integer_on_every_client(serve, transport
             call = rms_norm_call(rng)
             y = call["yOut"].copy()
             _, executor = c.get_workspace_size(RMS, **call)
-            for attempt in (
-                lambda: c.run(RMS, **call, stream=bad),
-                lambda: c.run_async(RMS, **call, stream=bad).result(),
-                lambda: c.execute(executor, stream=bad),
-                lambda: c.synchronize(bad),
-            ):
+            attempts = {
+                "run": lambda call=call, bad=bad: c.run(RMS, **call, stream=bad),
+                "run_async": lambda call=call, bad=bad: c.run_async(RMS, **call, stream=bad).result(),
+                "execute": lambda executor=executor, bad=bad: c.execute(executor, stream=bad),
+                "synchronize": lambda bad=bad: c.synchronize(bad),
+            }
+            for what, attempt in attempts.items():
                 with pytest.raises(AclnnError) as err:
                     attempt()
-                assert err.value.code == 161002 and err.value.message.startswith("stream"), err.value
+                assert err.value.code == 161002 and err.value.message.startswith("stream"), (what, err.value)
                 assert len(err.value.message) < 120
             np.testing.assert_array_equal(call["yOut"], y)
     finally:
