@@ -13,13 +13,15 @@ import grpc
 import numpy as np
 import pytest
 from layer_norm_cases import layer_norm_call
-from test_grpc_abuse import Server
+from test_grpc_abuse import OUTPUTS, Server
 from users import NOBODY, as_user, needs_root, relay
 
 from aclnn_client import AclnnError, Client
 from aclnn_common._proto import aclnn_pb2 as pb
 from aclnn_common._proto import aclnn_pb2_grpc as pb_grpc
-from aclnn_server.transport.auth import local_socket_uid, parse_peer
+from aclnn_common.binding import bind
+from aclnn_common.wire import encode_call
+from aclnn_server.transport.auth import local_socket_uid, parse_peer, peer_identity
 
 OP = "aclnnLayerNormBackward"
 
@@ -159,3 +161,53 @@ def test_ipv6_loopback_users_are_told_apart():
 def test_grpc_peer_strings_are_decoded(peer, parsed):
     result = parse_peer(peer)
     assert (None if result is None else (str(result[0]), result[1])) == parsed
+
+
+@pytest.mark.parametrize(
+    "host,reached", [("localhost", "127.0.0.1"), ("0.0.0.0", "127.0.0.1"), ("0.0.0.0", "127.0.0.9")]
+)
+def test_one_local_user_is_one_tenant_from_any_loopback_address(host, reached):
+    """A server bound to a name or every address is told the peer's address by gRPC, not its own: a
+    local user calling from 127.0.0.2, .3 and .4 was `peer:127.0.0.N` three times, three shares of each
+    limit (three times --max-tenant-executors here). Now it is its uid where the kernel can tell (it
+    reached 127.0.0.1), else one `peer:loopback` with every loopback caller nobody can be told apart."""
+    needs_root()
+    insecure = ("--insecure",) if host == "0.0.0.0" else ()
+    server = Server("--host", host, "--max-tenant-executors", "2", *insecure)
+    port = server.address.rpartition(":")[2]
+    relays = [relay(NOBODY, f"{reached}:{port}", source=f"127.0.0.{n}") for n in (2, 3, 4)]
+    rng = np.random.default_rng(0)
+    try:
+        made, refusals = 0, []
+        for _, address, _ in relays:
+            with grpc.insecure_channel(address) as channel:
+                stub = pb_grpc.AclnnStub(channel)
+                for _ in range(2):
+                    request = encode_call(OP, bind(OP, layer_norm_call(rng, (4, 8)), OUTPUTS).values, storage=False)
+                    try:
+                        stub.GetWorkspaceSize(request, timeout=30)
+                        made += 1
+                    except grpc.RpcError as exc:
+                        refusals.append(exc.details())
+        assert made == 2, refusals
+        assert all("executor" in refusal for refusal in refusals), refusals
+    finally:
+        for proc, _, _ in relays:
+            proc.kill()
+            proc.wait()
+        server.stop()
+
+
+def test_unidentified_loopback_peers_share_one_identity():
+    loopback = ipaddress.ip_address("127.0.0.1")
+    unused = socket.socket()
+    unused.bind(("127.0.0.1", 0))
+    port = unused.getsockname()[1]  # no connection there: nobody the kernel could name
+    try:
+        for peer in (f"ipv4:127.0.0.{n}:{port}" for n in (1, 2, 200)):
+            assert peer_identity(peer, "0.0.0.0", port + 1) == "peer:loopback"
+        assert peer_identity(f"ipv6:[::1]:{port}", "::", port + 1) == "peer:loopback"
+        assert peer_identity(f"ipv4:10.1.2.3:{port}", "0.0.0.0", port + 1) == "peer:10.1.2.3"
+        assert local_socket_uid(loopback, port, loopback, port + 1) is None
+    finally:
+        unused.close()

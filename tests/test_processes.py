@@ -21,6 +21,9 @@ from layer_norm_cases import layer_norm_call, layer_norm_reference
 from oracle import assert_close
 
 from aclnn_client import AclnnError, Client
+from aclnn_common._proto import aclnn_pb2 as pb
+from aclnn_common._proto import aclnn_pb2_grpc as pb_grpc
+from aclnn_common.framing import MAGIC, REPLY
 
 OP = "aclnnLayerNormBackward"
 SYS_TGKILL = {"x86_64": 234, "aarch64": 131}.get(platform.machine())  # the syscall's number
@@ -158,6 +161,53 @@ def test_sighup_reloads_the_token_file_and_ends_nothing(tmp_path):
         for server in (proc, bare):
             server.kill()
             server.wait()
+
+
+def test_a_withdrawn_token_ends_its_data_channel_tickets_and_connections(tmp_path):
+    """A token taken out of the file at SIGHUP was refused over gRPC, while its data-channel connections
+    served every call for as long as they were kept busy, and its tickets admitted new connections
+    for their minute (red-team finding). Now both end with it; another token's connection goes on."""
+    tokens = tmp_path / "tokens"
+    tokens.write_text("alice-token\nmallory-token\n")
+    proc, address = start_server("--auth-token-file", str(tokens))
+    rng = np.random.default_rng(0)
+    try:
+        alice, mallory = Client(address, token="alice-token"), Client(address, token="mallory-token")
+        for c in (alice, mallory):
+            c.run(OP, **layer_norm_call(rng, (4, 8)))
+        metadata = (("authorization", "Bearer mallory-token"),)
+        with grpc.insecure_channel(address) as channel:
+            ticket = pb_grpc.AclnnStub(channel).OpenDataChannel(pb.Empty(), metadata=metadata, timeout=10)
+        tokens.write_text("alice-token\n")
+        proc.send_signal(signal.SIGHUP)
+        with grpc.insecure_channel(address) as channel:
+            for _ in range(200):  # until the server has read the file again
+                try:
+                    pb_grpc.AclnnStub(channel).KeepAlive(pb.Empty(), metadata=metadata, timeout=10)
+                    time.sleep(0.05)
+                except grpc.RpcError as error:
+                    assert error.code() == grpc.StatusCode.UNAUTHENTICATED
+                    break
+        late = layer_norm_call(rng, (4, 8))
+        before = late["gradInputOut"].copy()
+        with pytest.raises(AclnnError) as refused:
+            mallory.run(OP, **late)
+        assert refused.value.grpc_code == grpc.StatusCode.UNAUTHENTICATED, refused.value
+        np.testing.assert_array_equal(late["gradInputOut"], before)
+        with socket.socket(socket.AF_UNIX) as sock:  # the ticket from before admits nobody now
+            sock.settimeout(10)
+            sock.connect(ticket.unix_path)
+            sock.sendall(MAGIC + ticket.ticket)
+            admitted, length = REPLY.unpack(sock.recv(REPLY.size, socket.MSG_WAITALL))
+            assert not admitted and b"ticket" in sock.recv(length, socket.MSG_WAITALL)
+        p = layer_norm_call(rng, (4, 8))
+        alice.run(OP, **p)
+        assert_close(p["gradInputOut"], layer_norm_reference(p)[0], np.float32)
+        alice.close()
+        mallory.close()
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 @pytest.mark.slow

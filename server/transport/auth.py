@@ -5,7 +5,8 @@ digest), a client certificate's common name (mutual TLS), or, for a peer on this
 local user that owns the client's socket (`uid:N`). That user is read from the kernel
 (NETLINK_SOCK_DIAG) for the exact connection — the client's address and port, the server's
 address and port, in state ESTABLISHED — so no other socket, listening or closing, can stand in
-for it. Anything else is `peer:ADDRESS`, shared by every caller from that address. A bearer
+for it. Anything else is `peer:ADDRESS`, shared by every caller from that address (`peer:loopback`
+for every caller on this host whose user cannot be told). A bearer
 token without a token file proves nothing and gives no identity.
 """
 
@@ -166,26 +167,37 @@ def connection_user(sock: socket.socket) -> int | None:
 
 
 def peer_identity(peer: str, server_host: str, server_port: int) -> str | None:
-    """`uid:N` for a client on this host (the owner of its end of this very connection), else `peer:ADDRESS`."""
+    """`uid:N` for a client on this host (the owner of its end of this very connection), else
+    `peer:ADDRESS`; every loopback client whose user the kernel cannot tell is one `peer:loopback`
+    (each of 127/8's 16M addresses its own tenant would give one local user as many shares)."""
     parsed = parse_peer(peer)
     if parsed is None:
         return peer or None
     ip, port = parsed
     if ip.is_loopback:
-        uid = local_socket_uid(ip, port, _server_address(server_host, ip), server_port)
-        if uid is not None:
-            return f"uid:{uid}"
+        for server in _server_ends(server_host, ip):
+            uid = local_socket_uid(ip, port, server, server_port)
+            if uid is not None:
+                return f"uid:{uid}"
+        return LOOPBACK_PEER
     return f"peer:{ip.compressed}"
 
 
-def _server_address(host: str, client: ipaddress.IPv4Address | ipaddress.IPv6Address) -> Any:
-    """The far end of a loopback client's connection: the server's address, or (bound to every address)
-    the one a loopback client reaches itself on."""
+LOOPBACK_PEER = "peer:loopback"
+
+
+def _server_ends(host: str, client: ipaddress.IPv4Address | ipaddress.IPv6Address) -> list[Any]:
+    """Where a loopback client's connection may end (gRPC tells the peer's address, not its own): the
+    address the server is bound to; bound to a name or every address, the one the client reached
+    itself on, and the usual loopback address (a client may come from 127.0.0.N to 127.0.0.1)."""
     try:
         bound = ipaddress.ip_address(host)
-    except ValueError:  # a name (localhost): the client connected to one of its addresses, as itself
-        return client
-    return client if bound.is_unspecified else bound
+    except ValueError:  # a name (localhost)
+        bound = None
+    if bound is not None and not bound.is_unspecified:
+        return [bound]
+    usual = ipaddress.ip_address("127.0.0.1" if client.version == 4 else "::1")
+    return [client] if client == usual else [client, usual]
 
 
 # NETLINK_SOCK_DIAG: one request for one socket by its addresses and ports (linux/inet_diag.h).

@@ -31,7 +31,7 @@ from ..ledger import SMALL_HOLD_BYTES
 from ..metrics import Metrics
 from ..params import check
 from ..storage import Storage
-from .auth import Identities, TokenAuthInterceptor, read_tokens
+from .auth import Identities, TokenAuthInterceptor, read_tokens, token_identity
 from .data_channel import DataChannelServer
 from .data_channel import Limits as DataChannelLimits
 from .health import HealthService
@@ -446,7 +446,8 @@ class AclnnServer:
 
     def reload(self) -> None:
         """SIGHUP: reads --auth-token-file again (tokens rotate without a restart); a file that does not
-        read keeps the tokens in force. Calls in flight and admitted data-channel connections go on."""
+        read keeps the tokens in force. Calls in flight finish; a withdrawn token's data-channel tickets
+        admit nobody from now on, and its connections close once their current request is done."""
         path = self.options.auth_token_file
         if path is None:
             log.info("SIGHUP: nothing to reload (no --auth-token-file)")
@@ -457,6 +458,9 @@ class AclnnServer:
             log.error("SIGHUP: --auth-token-file %s not reloaded, the tokens in force stay: %s", path, exc)
             return
         self._tokens.replace(tokens)
+        if self.data_channel is not None:  # a withdrawn token's tickets and connections end with it
+            kept = {token_identity(token) for token in tokens}
+            self.data_channel.revoke(lambda owner: (owner or "").startswith("token:") and owner not in kept)
         log.info("SIGHUP: %d tokens reloaded from %s", len(tokens), path)
 
     def wait_for_termination(self, timeout: float | None = None) -> bool:

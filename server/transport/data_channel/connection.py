@@ -63,6 +63,7 @@ class Connection:
         self.events = select.EPOLLIN
         self.active = False  # a worker handles it now
         self.closed = False
+        self.revoked = False  # its caller lost its credentials: no further request is served
         self.buffer = memoryview(bytearray(len(MAGIC) + TICKET_BYTES))  # what is being received
         self.got = 0
         self.need = len(self.buffer)  # bytes of `buffer` the current step waits for

@@ -32,6 +32,7 @@ import struct
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from google.rpc import code_pb2, status_pb2
@@ -176,6 +177,25 @@ class DataChannelServer:
             mailbox_max_bytes=mailbox_max,
             max_message_bytes=self.max_message_bytes,
         )
+
+    def revoke(self, revoked: Callable[[str | None], bool]) -> None:
+        """Ends what the callers `revoked` names hold here (a token withdrawn at SIGHUP): their tickets
+        admit nobody now, and their connections serve no further request: idle and parked ones close
+        now, busy ones when their current request is done."""
+        self._tickets.revoke(revoked)
+        closed = []
+        with self._lock:
+            for owner in [owner for owner in self._parked if revoked(owner)]:
+                for conn, _ in self._parked.pop(owner):  # a parked request holds no worker (see _serve)
+                    conn.revoked = True
+                    closed += [conn] if self._close_locked(conn) else []
+            for conn in list(self._conns.values()):
+                if conn.admitted and revoked(conn.owner):
+                    conn.revoked = True
+                    if not conn.active:
+                        closed += [conn] if self._close_locked(conn) else []
+        for conn in closed:
+            conn.let_go()
 
     @property
     def open_connections(self) -> int:
@@ -336,6 +356,8 @@ class DataChannelServer:
         while True:
             parked = None
             try:
+                if conn.revoked:
+                    raise ProtocolError("its caller's credentials were withdrawn")
                 if not conn.admitted and not self._handshake(conn):
                     return self._rearm(conn)
                 header = self._requests.receive(conn)
@@ -411,6 +433,8 @@ class DataChannelServer:
         while parked is not None:
             conn, header = parked
             try:
+                if conn.revoked:
+                    raise ProtocolError("its caller's credentials were withdrawn")
                 self._requests.serve(conn, *header)
                 more = self._next(conn)
             except Exception as exc:
@@ -446,7 +470,7 @@ class DataChannelServer:
     def _rearm(self, conn: Connection) -> None:
         with self._lock:
             conn.active = False
-            if not self._stopping:
+            if not self._stopping and not conn.revoked:
                 self._epoll.modify(conn.fd, conn.events | select.EPOLLONESHOT)
                 return
             closed = self._close_locked(conn)

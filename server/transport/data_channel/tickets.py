@@ -7,6 +7,7 @@ import collections
 import secrets
 import threading
 import time
+from collections.abc import Callable
 
 from aclnn_common.framing import TICKET_BYTES
 
@@ -48,6 +49,13 @@ class Tickets:
         mine.remove(ticket)  # the oldest of the owner's, first in its deque
         if not mine:
             del self._by_owner[owner]
+
+    def revoke(self, revoked: Callable[[str | None], bool]) -> None:
+        """Forgets every ticket of the owners `revoked` names (their credentials were withdrawn)."""
+        with self._lock:
+            for owner in [owner for owner in self._by_owner if revoked(owner)]:
+                for ticket in list(self._by_owner[owner]):
+                    self._forget(ticket)
 
     def holder(self, ticket: bytes) -> tuple[str | None, str | None] | None:
         """The (owner, session) a live ticket admits as; None when it is unknown or expired."""
