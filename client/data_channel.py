@@ -53,6 +53,7 @@ from aclnn_common.framing import (
     ConnectionLost,
     aligned,
 )
+from aclnn_common.liveness import tcp_keepalive
 from aclnn_common.wire import decode_status_bytes
 
 from .regions import Region
@@ -602,6 +603,7 @@ class DataChannel:
         sock = socket.create_connection(self.address, timeout=self._connect_timeout)
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            tcp_keepalive(sock)  # a server host that is gone fails the call (common/liveness.py)
             if self.tls is not None:
                 sock = self.tls.wrap_socket(sock, server_hostname=self._server_hostname)
         except BaseException:

@@ -24,6 +24,7 @@ from aclnn_common.device import DeviceBuffer
 from aclnn_common.errors import AclnnError
 from aclnn_common.framing import MAILBOX_MAX_BYTES
 from aclnn_common.framing import METHODS as DATA_CHANNEL_METHODS
+from aclnn_common.liveness import grpc_client_options
 from aclnn_common.tensor import Tensor, Value
 from aclnn_common.types import numpy_dtype
 from aclnn_common.wire import decode_error, encode_call
@@ -138,6 +139,7 @@ class Client(BaseClient):
             ("grpc.max_receive_message_length", _UNLIMITED),
             ("grpc.service_config", _SERVICE_CONFIG),
             ("grpc.enable_retries", 0),  # one retry layer: this client's (ATTEMPTS)
+            *grpc_client_options(),  # a server that stops answering fails the call (common/liveness.py)
             # A token in clear goes straight to the server, never through an HTTP proxy (http_proxy,
             # grpc_proxy), which would read it: to a loopback server it has no business at all.
             *([("grpc.enable_http_proxy", 0)] if token and self._tls is None else []),

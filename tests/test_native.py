@@ -13,6 +13,7 @@ import importlib.util
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -649,3 +650,123 @@ def test_a_refusal_whose_status_is_no_failure_code_is_still_a_failure(native_pre
         finally:
             server.stop(None)
         assert int(status) != 0 and workspace == "12345" and untouched == "1", (given, status, workspace)
+
+
+def test_host_memory_and_frees_not_the_programs_to_make(native_prefix, compiled, server_address):
+    """aclrtMallocHost(SIZE_MAX - 10) rounded its size up past zero and gave a 1-byte block (heap
+    corruption on the first write); aclrtFreeHost of a device pointer was free() of it (a crash); a free
+    refused because another thread's free of the same pointer came first forgot the allocation that
+    reused the address in between (its buffer then held on the server): red-team findings."""
+    out = run_program(native_prefix, compiled(PROGRAMS / "host_memory.cpp"), server_address, "60")
+    codes = dict(line.split(" ", 1) for line in out.strip().splitlines())
+    assert int(codes["mallochost_huge"]) == 200000  # ACL_ERROR_BAD_ALLOC
+    for case in ("freehost_device", "freehost_inside", "freehost_again", "freehost_null"):
+        assert int(codes[case]) == 100000, case  # ACL_ERROR_INVALID_PARAM
+    assert int(codes["freehost"]) == 0 and int(codes["device_still_usable"]) == 0
+    one_free, lost = (int(n) for n in codes["race"].split())
+    assert lost == 0, f"{lost} of {one_free} refused frees took another allocation with them"
+
+
+@pytest.mark.parametrize(
+    "setting,value,named",
+    [
+        ("ACLNN_REMOTE_TOKEN_FILE", "tab\tinside", "not printable ASCII"),
+        ("ACLNN_REMOTE_TOKEN_FILE", "caf\xe9", "not printable ASCII"),
+        ("ACLNN_REMOTE_TOKEN_FILE", "\n", "no token read"),
+        ("ACLNN_REMOTE_TOKEN_FILE", None, "no token read"),  # a file that is not there
+        ("ACLNN_REMOTE_ROOT_CERTS", None, "no certificates read"),
+        ("ACLNN_REMOTE_PING_S", "abc", "not a number of seconds"),
+        ("ACLNN_REMOTE_START_WAIT_S", "nan", "not a number of seconds"),
+        ("ACLNN_REMOTE_START_WAIT_S", "-5", "not a number of seconds"),
+    ],
+)
+def test_a_setting_that_cannot_be_used_fails_init_or_set_device(
+    native_prefix, compiled, server_address, tmp_path, setting, value, named
+):
+    """A token file holding a tab or a non-ASCII byte aborted the process inside gRPC at the first call;
+    ACLNN_REMOTE_START_WAIT_S=nan waited forever, and a token or CA file that does not read went unsaid:
+    now aclInit or aclrtSetDevice fails with ACL_ERROR_INVALID_PARAM and a message naming the setting."""
+    if setting in ("ACLNN_REMOTE_TOKEN_FILE", "ACLNN_REMOTE_ROOT_CERTS"):
+        path = tmp_path / "setting"
+        if value is not None:
+            path.write_bytes(value.encode("latin-1"))
+        value = str(path)
+    env = {**os.environ, "ACLNN_REMOTE_TARGET": server_address, "LD_LIBRARY_PATH": str(native_prefix / "lib64")}
+    done = subprocess.run(
+        [str(compiled(PROGRAMS / "config.cpp"))],
+        env={**env, setting: value},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    init, device = done.stdout.splitlines()
+    failed = init if setting != "ACLNN_REMOTE_START_WAIT_S" else device
+    assert failed.startswith(("init 100000 ", "set_device 100000 ")) and setting in failed and named in failed, failed
+
+
+@pytest.mark.slow  # the Python client's reconnection waits out gRPC's 20 s connection attempt once
+def test_a_server_that_stops_answering_fails_the_call_instead_of_hanging(native_prefix, compiled):
+    """A server whose process is stopped (as one whose host is gone or cut off: TCP's own end never comes)
+    left a call waiting forever, in a CANN program and in a Python client without a timeout. HTTP/2
+    pings while a call is open now fail it (here every second, ACLNN_REMOTE_PING_S and gRPC's channel
+    options; 30 s by default); once the server runs again, the next call succeeds."""
+    import threading
+
+    from aclnn_client import AclnnError, Client
+
+    server, address = start_server()
+    env = {**os.environ, "ACLNN_REMOTE_TARGET": address, "LD_LIBRARY_PATH": str(native_prefix / "lib64")}
+    program = subprocess.Popen(
+        [str(compiled(PROGRAMS / "restart.cpp"))],
+        env={**env, "ACLNN_REMOTE_PING_S": "1"},
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    pings = [
+        ("grpc.keepalive_time_ms", 1000),
+        ("grpc.keepalive_timeout_ms", 1000),
+        ("grpc.http2.ping_timeout_ms", 1000),
+    ]
+    client = Client(address, data_channel=False, options=pings)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((4, 8), dtype=np.float32)
+    call = dict(gradOut=x, input=x, normalizedShape=[8], mean=np.zeros((4, 1), np.float32),
+                rstd=np.ones((4, 1), np.float32), outputMask=[True, False, False])  # fmt: skip
+    try:
+        assert program.stdout.readline() == "allocated\n"
+        client.run("aclnnLayerNormBackward", **call, gradInputOut=np.empty_like(x))
+        server.send_signal(signal.SIGSTOP)
+        failure: list[BaseException] = []
+
+        def python_call() -> None:
+            try:
+                client.run("aclnnLayerNormBackward", **call, gradInputOut=np.empty_like(x))
+            except AclnnError as exc:
+                failure.append(exc)
+
+        started = time.monotonic()
+        caller = threading.Thread(target=python_call, daemon=True)
+        caller.start()
+        program.stdin.write("d\n")
+        program.stdin.flush()
+        code, took = program.stdout.readline().split()[1:]
+        assert int(code) == 507000 and float(took) < 10, (code, took)
+        caller.join(60)
+        assert not caller.is_alive(), "the Python client's call still waits"
+        assert failure and "UNAVAILABLE" in str(failure[0]), failure
+        assert time.monotonic() - started < 60
+        server.send_signal(signal.SIGCONT)
+        program.stdin.write("u\n")
+        program.stdin.flush()
+        code, _ = program.stdout.readline().split()[1:]
+        assert int(code) == 0
+        assert program.wait(timeout=30) == 0
+        client.run("aclnnLayerNormBackward", **call, gradInputOut=np.empty_like(x))
+    finally:
+        client.close()
+        server.send_signal(signal.SIGCONT)
+        for proc in (program, server):
+            proc.kill()
+            proc.wait()

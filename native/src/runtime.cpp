@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <condition_variable>
 #include <cstdint>
 #include <cstdio>
@@ -22,6 +23,7 @@
 #include <sstream>
 #include <system_error>
 #include <thread>
+#include <unordered_set>
 #include <vector>
 
 #include <grpcpp/generic/generic_stub.h>
@@ -40,6 +42,11 @@ constexpr size_t kMaxBytes = size_t{1} << 62;  // the most bytes anything addres
 constexpr size_t kHandleSpace = size_t{1} << 36;  // reserved for handles: 2^33 of them, 8 bytes apart
 constexpr int kReconnectWaitMs = 1000;  // how long a call waits for a server that was unreachable
 constexpr auto kKeepAlive = std::chrono::seconds(10);
+// HTTP/2 pings while a call is open (ACLNN_REMOTE_PING_S): a server that stops answering (its host
+// gone, a network cut, the process stopped) fails the call, which would otherwise wait forever; as
+// aclnn_common.liveness does for Python clients, whose servers take pings this often.
+constexpr double kPingS = 30;
+constexpr double kPingTimeoutS = 20;
 constexpr double kStartWaitS = 600;  // ACLNN_REMOTE_START_WAIT_S's default: a cold cpu backend compiles for minutes
 constexpr auto kStartPoll = std::chrono::milliseconds(250);
 constexpr auto kStartReport = std::chrono::seconds(30);  // how often a wait says it still waits
@@ -74,7 +81,31 @@ struct Connection {
     std::unique_ptr<aclnn::v1::Aclnn::Stub> stub;
     std::string session;
     std::string token;
+    std::string config_error;  // what is wrong with the environment's settings: aclInit and aclrtSetDevice fail
 };
+
+// A setting in seconds: unset gives `fallback`; anything but a finite number >= 0 is an error (NaN
+// compared with nothing: a wait of "nan" never ended).
+bool seconds_setting(const char *name, double fallback, double *value, std::string *error)
+{
+    std::string given = environment(name);
+    *value = fallback;
+    if (given.empty()) return true;
+    char *end = nullptr;
+    double parsed = std::strtod(given.c_str(), &end);
+    if (*end != '\0' || !std::isfinite(parsed) || parsed < 0) {
+        *error = std::string(name) + "=" + given + " is not a number of seconds >= 0";
+        return false;
+    }
+    *value = parsed;
+    return true;
+}
+
+// gRPC aborts the process on a header value outside printable ASCII (a token file's stray byte).
+bool header_value(const std::string &text)
+{
+    return std::all_of(text.begin(), text.end(), [](unsigned char ch) { return ch >= 0x20 && ch < 0x7f; });
+}
 
 Connection *connect()
 {
@@ -83,18 +114,32 @@ Connection *connect()
     std::string roots = environment("ACLNN_REMOTE_ROOT_CERTS");
     if (!roots.empty() || environment("ACLNN_REMOTE_TLS") == "1") {
         grpc::SslCredentialsOptions tls;
-        if (!roots.empty()) tls.pem_root_certs = read_file(roots);
+        if (!roots.empty()) {
+            tls.pem_root_certs = read_file(roots);
+            if (tls.pem_root_certs.empty())
+                c->config_error = "ACLNN_REMOTE_ROOT_CERTS=" + roots + ": no certificates read from it";
+        }
         credentials = grpc::SslCredentials(tls);
     } else {
         credentials = grpc::InsecureChannelCredentials();
     }
     std::string token_file = environment("ACLNN_REMOTE_TOKEN_FILE");
     if (!token_file.empty()) {
-        c->token = read_file(token_file);
-        c->token.erase(c->token.find_last_not_of(" \t\r\n") + 1);
-        c->token.erase(0, c->token.find_first_not_of(" \t\r\n"));
-        c->token = c->token.substr(0, c->token.find_first_of("\r\n"));  // the file's first token
+        std::string token = read_file(token_file);
+        token.erase(token.find_last_not_of(" \t\r\n") + 1);
+        token.erase(0, token.find_first_not_of(" \t\r\n"));
+        token = token.substr(0, token.find_first_of("\r\n"));  // the file's first token
+        if (token.empty())
+            c->config_error = "ACLNN_REMOTE_TOKEN_FILE=" + token_file + ": no token read from it";
+        else if (!header_value(token))
+            c->config_error = "ACLNN_REMOTE_TOKEN_FILE=" + token_file +
+                              ": the token holds a byte that is not printable ASCII (a tab, a control or non-ASCII "
+                              "character)";
+        else
+            c->token = token;
     }
+    double ping_s = kPingS;
+    if (!seconds_setting("ACLNN_REMOTE_PING_S", kPingS, &ping_s, &c->config_error)) ping_s = kPingS;
     grpc::ChannelArguments arguments;
     // A token in clear goes straight to the server, never through an HTTP proxy, which would read it.
     if (!c->token.empty() && roots.empty() && environment("ACLNN_REMOTE_TLS") != "1")
@@ -106,6 +151,15 @@ Connection *connect()
     arguments.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
     arguments.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
     arguments.SetInt(GRPC_ARG_DNS_MIN_TIME_BETWEEN_RESOLUTIONS_MS, 1000);  // a name is asked again as often
+    if (ping_s > 0) {
+        int ping_ms = static_cast<int>(std::min(ping_s, 86400.0) * 1000);
+        int timeout_ms = static_cast<int>(std::min(ping_s, kPingTimeoutS) * 1000);
+        arguments.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, std::max(ping_ms, 1));
+        arguments.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, std::max(timeout_ms, 1));
+        arguments.SetInt("grpc.http2.ping_timeout_ms", std::max(timeout_ms, 1));  // any ping's answer, not only keepalive's
+        arguments.SetInt(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 0);
+        arguments.SetInt(GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0);  // else a quiet call is pinged twice, then never
+    }
     c->channel = grpc::CreateCustomChannel(grpc_target(environment("ACLNN_REMOTE_TARGET", "127.0.0.1:50051")),
                                            credentials, arguments);
     c->stub = aclnn::v1::Aclnn::NewStub(c->channel);
@@ -154,13 +208,12 @@ public:
         return true;
     }
 
-    // The buffer id of the allocation starting at `start` (false: none does), which is released.
-    bool release(uintptr_t start, std::string *id)
+    // Releases the allocation starting at `start` if it is buffer `id`'s (false: none such).
+    bool release(uintptr_t start, const std::string &id)
     {
         std::lock_guard<std::mutex> lock(mu_);
         auto it = live_.find(start);
-        if (it == live_.end()) return false;
-        *id = it->second.id;
+        if (it == live_.end() || it->second.id != id) return false;
         size_t length = it->second.length;
         live_.erase(it);
         auto next = free_.lower_bound(start);
@@ -233,6 +286,32 @@ AddressSpace &address_space()
     return *space;
 }
 
+// The blocks aclrtMallocHost gave and aclrtFreeHost has not taken back.
+class HostBlocks {
+public:
+    void add(void *block)
+    {
+        std::lock_guard<std::mutex> lock(mu_);
+        live_.insert(block);
+    }
+
+    bool remove(void *block)
+    {
+        std::lock_guard<std::mutex> lock(mu_);
+        return live_.erase(block) == 1;
+    }
+
+private:
+    std::mutex mu_;
+    std::unordered_set<void *> live_;
+};
+
+HostBlocks &host_blocks()
+{
+    static HostBlocks *blocks = new HostBlocks;  // never destroyed, as the registries above
+    return *blocks;
+}
+
 // Renews the session's lease while the process holds device memory (the server frees a lapsed session's).
 void keep_alive()
 {
@@ -299,8 +378,10 @@ aclError wait_until_serving()
 {
     static std::atomic<bool> served{false};
     if (served) return ACL_SUCCESS;
-    std::string given = environment("ACLNN_REMOTE_START_WAIT_S");
-    const double limit_s = given.empty() ? kStartWaitS : std::atof(given.c_str());
+    double limit_s = kStartWaitS;
+    std::string error;
+    if (!seconds_setting("ACLNN_REMOTE_START_WAIT_S", kStartWaitS, &limit_s, &error))
+        return fail(ACL_ERROR_INVALID_PARAM, "aclrtSetDevice: " + error);
     const auto started = std::chrono::steady_clock::now();
     auto reported = started - kStartReport;
     for (Health state = health(); state == Health::kNotServing; state = health()) {
@@ -696,7 +777,11 @@ const char *aclGetRecentErrMsg(void) { return recent_error.empty() ? nullptr : r
 aclError aclInit(const char *)
 {
     if (initialized.exchange(1)) return fail(ACL_ERROR_REPEAT_INITIALIZE, "aclInit: already initialized");
-    connection();
+    const std::string &error = connection().config_error;
+    if (!error.empty()) {
+        initialized = 0;
+        return fail(ACL_ERROR_INVALID_PARAM, "aclInit: " + error);
+    }
     return ACL_SUCCESS;
 }
 
@@ -710,6 +795,8 @@ aclError aclFinalize(void)
 aclError aclrtSetDevice(int32_t deviceId)
 {
     if (deviceId != 0) return fail(ACL_ERROR_RT_INVALID_DEVICEID, "aclrtSetDevice: the server is device 0");
+    const std::string &error = connection().config_error;
+    if (!error.empty()) return fail(ACL_ERROR_INVALID_PARAM, "aclrtSetDevice: " + error);
     aclError waited = wait_until_serving();
     if (waited != ACL_SUCCESS) return waited;
     device_set = true;
@@ -990,20 +1077,31 @@ aclError aclrtFree(void *devPtr)
     grpc::Status status = stub().FreeBuffer(context().get(), request, &reply);
     // Forgotten once the server let go of it (or knows it no more); a free that never reached the server
     // leaves the pointer allocated, for the program to free again (forgotten, its buffer stayed held).
-    std::string id;
-    if (status.ok() || rpc_failure(status) == ACLNN_ERR_PARAM_INVALID) address_space().release(start, &id);
+    // Only the allocation it named: a double free racing with an aclrtMalloc that reused the address
+    // would otherwise forget the new allocation (its buffer then held on the server for good).
+    if (status.ok() || rpc_failure(status) == ACLNN_ERR_PARAM_INVALID) address_space().release(start, request.buffer());
     return status.ok() ? ACL_SUCCESS : runtime_failure(status);
 }
 
 aclError aclrtMallocHost(void **hostPtr, size_t size)
 {
     if (!hostPtr || size == 0) return fail(ACL_ERROR_INVALID_PARAM, "aclrtMallocHost: hostPtr is null or size 0");
-    *hostPtr = std::aligned_alloc(64, (size + 63) / 64 * 64);
-    return *hostPtr ? ACL_SUCCESS : fail(ACL_ERROR_BAD_ALLOC, "aclrtMallocHost: out of host memory");
+    if (size > SIZE_MAX - 63)  // rounded up to 64 bytes, it would wrap to a block of none
+        return fail(ACL_ERROR_BAD_ALLOC, "aclrtMallocHost: " + std::to_string(size) + " bytes is more than memory");
+    void *block = std::aligned_alloc(64, (size + 63) / 64 * 64);
+    if (!block) return fail(ACL_ERROR_BAD_ALLOC, "aclrtMallocHost: out of host memory");
+    host_blocks().add(block);
+    *hostPtr = block;
+    return ACL_SUCCESS;
 }
 
 aclError aclrtFreeHost(void *hostPtr)
 {
+    if (!hostPtr) return fail(ACL_ERROR_INVALID_PARAM, "aclrtFreeHost: hostPtr is null");
+    // Only what aclrtMallocHost gave, once: freeing a device pointer, a pointer into a block or a block
+    // twice was the C library's free of it (a crash, or a heap corrupted).
+    if (!host_blocks().remove(hostPtr))
+        return fail(ACL_ERROR_INVALID_PARAM, "aclrtFreeHost: not a block from aclrtMallocHost (or freed already)");
     std::free(hostPtr);
     return ACL_SUCCESS;
 }

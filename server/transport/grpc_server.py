@@ -24,6 +24,7 @@ from aclnn_common._proto import aclnn_pb2_grpc as pb_grpc
 from aclnn_common.binding import INT64_MAX, INT64_MIN
 from aclnn_common.chunks import to_chunks
 from aclnn_common.errors import invalid_error
+from aclnn_common.liveness import grpc_server_options
 
 from ..config import ServerOptions, options_at_fault
 from ..engine import CallContext, Engine, default_memory_budget
@@ -342,6 +343,8 @@ class AclnnServer:
                 # pods added by an autoscaler get calls. Calls in flight get the grace period to finish.
                 ("grpc.max_connection_age_ms", int(options.max_connection_age_s * 1000)),
                 ("grpc.max_connection_age_grace_ms", int(options.grace_period_s * 1000)),
+                # A client gone without a word has its calls cancelled (aclnn_common.liveness).
+                *grpc_server_options(),
             ],
         )
         self.service = AclnnService(engine, self.metrics, self.storage)
