@@ -268,8 +268,11 @@ class Client(BaseClient):
         stream: int | None = None,
         stateless: Callable[[], bool] = lambda: False,
         attachments: Callable[[], Attachments | None] = lambda: None,
+        then: Callable[[Any, int], Any] = lambda reply, replica: reply,
     ) -> tuple[Any, int]:
         """Builds the request for the next backend in turn and calls it; a gone or busy one hands it on.
+        Returns `then(reply, backend)` (what the call needs of that backend still: its kept results), and
+        the backend.
 
         At most ATTEMPTS tries. A device failure (ABORTED) is not a backend gone: one other backend
         is tried, once, and the one whose device failed is not tried again.
@@ -282,7 +285,8 @@ class Client(BaseClient):
                 replica = self._pool.next()
             try:
                 request = build(replica)  # its reservation or uploads may find the backend busy too
-                return self._call_on(replica, method, request, stream, stateless(), attachments()), replica
+                reply = self._call_on(replica, method, request, stream, stateless(), attachments())
+                return then(reply, replica), replica
             except AclnnError as error:
                 elsewhere = error.grpc_code == _DEVICE_FAILED and device_failed is None and self._pool.count() > 1
                 if not (elsewhere or error.grpc_code in _RETRYABLE) or attempt == ATTEMPTS - 1:
@@ -434,11 +438,17 @@ class Client(BaseClient):
             if replica is not None:  # on device memory: its backend runs it
                 request = build(replica)
                 reply = self._call_on(replica, "Run", request, stream, attachments=staging.attachments)
-            else:
-                reply, replica = self._call_any(
-                    "Run", build, stream, stateless=lambda: staging.stateless, attachments=lambda: staging.attachments
+                results = staging.results(replica, reply.outputs)
+            else:  # a backend that goes away before its kept results are downloaded hands the call on too
+                (reply, results), replica = self._call_any(
+                    "Run",
+                    build,
+                    stream,
+                    stateless=lambda: staging.stateless,
+                    attachments=lambda: staging.attachments,
+                    then=lambda reply, replica: (reply, staging.results(replica, reply.outputs)),
                 )
-            call.write_outputs(staging.results(replica, reply.outputs))
+            call.write_outputs(results)
             if staging.staged is not None:
                 return _Repeat.of(replica, staging.staged.key, reply)
             if sent is not None and staging.all_attached and staging.attachments.received is not None:

@@ -57,7 +57,7 @@ class Transfers(Protocol):
         """Gives back a reservation no call used (best effort: it ends by itself otherwise)."""
 
     def download(self, replica: int, handle: str, view: np.ndarray) -> None:
-        """Writes a result kept on the replica straight into `view`."""
+        """Writes a result kept on the replica into `view`."""
 
     def free(self, replica: int, handle: str) -> None:
         """Frees a handle (best effort: the session's lease ends it otherwise)."""
@@ -104,17 +104,6 @@ class StagedLayout:
         """Copies each input's bytes (flat: a memoryview or a uint8 array) into its region."""
         for name, data in inputs.items():
             copy_bytes(self.inputs[name].array[: data.nbytes], data)
-
-
-class Download:
-    """A result kept on the server, streamed straight into the caller's output when written."""
-
-    def __init__(self, transfers: Transfers, replica: int, output: pb.OutputTensor) -> None:
-        self.transfers, self.replica, self.handle = transfers, replica, output.handle
-        self.dtype, self.shape = numpy_dtype(output.data_type), tuple(output.dims)
-
-    def write_into(self, view: np.ndarray) -> None:
-        self.transfers.download(self.replica, self.handle, view)
 
 
 class Staging:
@@ -256,12 +245,17 @@ class Staging:
                 placements[name].attached = True
                 room = None if room is None else room - aligned(size)
 
-    def results(self, replica: int, outputs: Mapping[str, pb.OutputTensor]) -> dict[str, Any]:
-        results: dict[str, Any] = {}
+    def results(self, replica: int, outputs: Mapping[str, pb.OutputTensor]) -> dict[str, np.ndarray]:
+        """Every result in hand. A result kept on the server is downloaded into an array of its own, never
+        straight into the caller's output: a download cut off midway (the server stopped, the connection
+        lost) fails the call with its outputs unwritten, and the call can be run again elsewhere."""
+        results: dict[str, np.ndarray] = {}
         for name, output in outputs.items():
             if output.handle:
                 self.handles.append((replica, output.handle))
-                results[name] = Download(self.transfers, replica, output)
+                received = np.empty(tuple(output.dims), numpy_dtype(output.data_type))
+                self.transfers.download(replica, output.handle, received)
+                results[name] = received
             elif name in self.output_regions:
                 dtype, dims = numpy_dtype(output.data_type), tuple(output.dims)
                 buffer = self.output_regions[name].array[: math.prod(dims) * dtype.itemsize]

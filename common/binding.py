@@ -89,13 +89,11 @@ class BoundCall:
         """The device pointers the call's tensors name."""
         return [v.data for v in self.values.values() if isinstance(v, Tensor) and _on_device(v)]
 
-    def write_outputs(self, results: Mapping[str, Any]) -> None:
+    def write_outputs(self, results: Mapping[str, np.ndarray]) -> None:
         """Writes each result into its output's view; checks every target before writing any.
 
-        A result is an array (already in place when it is the view itself: see `destinations`),
-        or anything with shape, dtype and write_into(view) (a download that streams straight
-        into the caller's memory). Downloads are written first, so that a download that fails
-        leaves the results in hand unwritten (outputs that share memory keep the order passed).
+        Every result is in hand (downloads were received first: see Staging.results), so nothing
+        here can fail midway; a result that is the view itself (see `destinations`) is in place.
         """
         # In the order the call passed its outputs, whatever order the results came in (a reply's map
         # has none): outputs sharing memory end as the last one passed wrote them, on every path.
@@ -103,16 +101,9 @@ class BoundCall:
             n for n in results if n not in self.output_targets
         ]
         views = {name: _output_view(name, self.output_targets.get(name), results[name]) for name in order}
-        arrays = list(views.values())
-        if not any(np.may_share_memory(a, b) for i, a in enumerate(arrays) for b in arrays[i + 1 :]):
-            # Downloads first (they can still fail): results in hand are written once every one arrived.
-            downloads = [n for n in views if not isinstance(results[n], np.ndarray)]
-            views = {n: views[n] for n in downloads + [n for n in views if n not in downloads]}
         for name, view in views.items():
             result = results[name]
-            if not isinstance(result, np.ndarray):
-                result.write_into(view)
-            elif _same_elements(view, result):
+            if _same_elements(view, result):
                 continue  # computed in place
             elif view.flags.c_contiguous and result.flags.c_contiguous:
                 copy_bytes(view.reshape(-1).view(np.uint8), result.reshape(-1).view(np.uint8))

@@ -49,6 +49,63 @@ def start_server(*args: str) -> tuple[subprocess.Popen, str]:
     return proc, f"{match[1]}:{match[2]}"
 
 
+def _killed_after_first_download(client: Client, servers: dict[str, subprocess.Popen]) -> list[str]:
+    """Kills the server a call's first kept result came from once that download is done (as a server
+    stopped between its downloads); returns where that was."""
+    download, killed = client._transfers.download, []
+
+    def first_then_kill(replica: int, handle: str, view: np.ndarray) -> None:
+        download(replica, handle, view)
+        if not killed:
+            killed.append(client._pool.address(replica))
+            servers[killed[0]].kill()
+            servers[killed[0]].wait()
+
+    client._transfers.download = first_then_kill
+    return killed
+
+
+def test_a_server_gone_between_downloads_leaves_every_output_unwritten():
+    """The call's results were kept on the server (all above max_inline_bytes); it stops after the first
+    download: the call fails and no output is written (the first download went straight into its output,
+    then the second failed: red-team finding). Results are downloaded into arrays of their own first."""
+    proc, address = start_server()
+    p = layer_norm_call(np.random.default_rng(0), (64, 256))
+    before = {name: p[name].copy() for name in ("gradInputOut", "gradWeightOut", "gradBiasOut")}
+    try:
+        with Client(address, data_channel=False, max_inline_bytes=512) as c:
+            killed = _killed_after_first_download(c, {address: proc})
+            with pytest.raises(AclnnError) as lost:
+                c.run(OP, **p)
+        assert killed and lost.value.grpc_code == grpc.StatusCode.UNAVAILABLE, lost.value
+        for name, value in before.items():
+            np.testing.assert_array_equal(p[name], value, err_msg=f"{name} was written by a call that failed")
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.mark.parametrize("data_channel", [False, True], ids=["grpc", "data channel"])
+def test_a_replica_gone_before_its_results_are_downloaded_hands_the_call_on(data_channel):
+    """A pool of two: the replica that ran the call stops before its kept results were downloaded. The
+    download's failure was the call's (the pool moved nothing to the replica still up); now the call runs
+    again there, and its results are right."""
+    servers = {address: proc for proc, address in (start_server(), start_server())}
+    p = layer_norm_call(np.random.default_rng(1), (64, 256))
+    try:
+        inline = dict(max_inline_bytes=512, unix_socket=False) if data_channel else dict(max_inline_bytes=512)
+        with Client(list(servers), data_channel=data_channel, **inline) as c:
+            killed = _killed_after_first_download(c, servers)
+            c.run(OP, **p)
+        assert len(killed) == 1
+        for got, want in zip((p["gradInputOut"], p["gradWeightOut"], p["gradBiasOut"]), layer_norm_reference(p)):
+            assert_close(got, want, np.float32)
+    finally:
+        for proc in servers.values():
+            proc.kill()
+            proc.wait()
+
+
 def metric(metrics_port: int, name: str) -> float:
     """A gauge's value (or an unlabelled counter's) on a server's /metrics."""
     text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read().decode()
@@ -75,12 +132,17 @@ def broadcast_call(seed: int, rows: int = 8192, n: int = 4096) -> dict:
     )
 
 
-def test_sigterm_drains_calls_in_flight():
+@pytest.mark.parametrize("kept", [False, True], ids=["results in the reply", "results kept, then downloaded"])
+def test_sigterm_drains_calls_in_flight(kept):
+    """Every call in flight at SIGTERM completes, and a new one is refused UNAVAILABLE (its client moves
+    on). Results kept on the server (above max_inline_bytes, over gRPC) are still downloaded after the
+    call: the server refused those downloads as new calls, failing calls it had computed (red-team finding)."""
     metrics_port = free_port()
     proc, address = start_server("--max-concurrency", "1", "--metrics-port", str(metrics_port))
     calls = [broadcast_call(i) for i in range(8)]
+    options = dict(data_channel=False, max_inline_bytes=1024) if kept else {}
     try:
-        with Client(address) as c, concurrent.futures.ThreadPoolExecutor(len(calls)) as pool:
+        with Client(address, **options) as c, concurrent.futures.ThreadPoolExecutor(len(calls)) as pool:
             c.list_operators()
             futures = [pool.submit(c.run, OP, **p) for p in calls]
             while in_flight(metrics_port) < len(calls):
@@ -89,6 +151,11 @@ def test_sigterm_drains_calls_in_flight():
             proc.send_signal(signal.SIGTERM)
             for f in futures:
                 f.result(timeout=60)  # every in-flight call completes
+            if kept:
+                late = broadcast_call(99, rows=64)
+                with pytest.raises(AclnnError) as refused:
+                    c.run(OP, **late)
+                assert refused.value.grpc_code == grpc.StatusCode.UNAVAILABLE, refused.value
         for p in calls:  # x = mean and rstd = 1: gradWeight = rows * g * x, gradBias = rows * g
             g, x = p["gradOut"][0].astype(np.float64), p["input"][0].astype(np.float64)
             assert_close(p["gradWeightOut"], len(p["mean"]) * g * x)

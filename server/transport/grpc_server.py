@@ -425,16 +425,25 @@ class AclnnServer:
     def stop(self, grace: float | None) -> threading.Event:
         """Reports NOT_SERVING, refuses new calls, lets in-flight ones finish within `grace` seconds.
 
-        The event is set once both transports have stopped and the backend is released.
+        Over gRPC, calls that finish may still have their kept results downloaded (a call is not over
+        for its client before): the server takes DownloadTensor and FreeTensor until no call is in
+        flight and no result is kept, or the grace period ends. The event is set once both transports
+        have stopped and the backend is released.
         """
         self.health.enter_graceful_shutdown()
         self._stopping.set()
-        grpc_stopped = self.grpc.stop(grace)
+        self.call_limit.drain()
+        deadline = time.monotonic() + (grace or 0)
         stopped = threading.Event()
 
         def release() -> None:
             if self.data_channel is not None:
                 self.data_channel.stop(grace)
+            while grace is not None and time.monotonic() < deadline:
+                if not self.call_limit.active and not self.storage.counts()[0]:
+                    break
+                time.sleep(0.02)
+            grpc_stopped = self.grpc.stop(None if grace is None else max(0.0, deadline - time.monotonic()))
             grpc_stopped.wait()
             self._health_pool.shutdown(wait=False)
             self._refusal_pool.shutdown(wait=False)
