@@ -292,12 +292,13 @@ def test_custom_forwards_are_left_alone():
 
 
 def test_service_errors_raise_from_backward():
-    """A 9-D tensor is beyond aclnn's rank 8: 161002 out of loss.backward(), naming the operator's parameter."""
+    """A call the service refuses (here: beyond its memory budget) raises out of loss.backward(): 161002
+    naming the operator's parameter."""
     for layer, shape, param in (
-        (nn.RMSNorm(8), (1,) * 8 + (8,), "dy"),
-        (nn.GroupNorm(2, 8), (2, 8) + (1,) * 7, "gradOut"),
+        (nn.RMSNorm(64), (4, 64), "dy"),
+        (nn.GroupNorm(2, 8), (2, 8, 16), "gradOut"),
     ):
-        model = offload_norms(layer, LocalClient("numpy"))
+        model = offload_norms(layer, LocalClient("numpy", memory_budget_bytes=256))
         out = model(torch.randn(shape, requires_grad=True)).square().sum()
         with pytest.raises(AclnnError) as err:
             out.backward()
@@ -388,3 +389,34 @@ def test_rms_norm_trains_on_an_inference_mode_input():
     for model in (plain, offloaded):
         model(x).square().sum().backward()
     _close(offloaded.weight.grad, plain.weight.grad, "weight.grad")
+
+
+@pytest.mark.parametrize("rank", [9, 10])
+def test_inputs_of_more_dims_than_the_service_takes(rank):
+    """PyTorch's norms take any number of dims, the service 8: the forward ran and loss.backward()
+    failed with 161002 'rank 9 exceeds 8' (red-team finding). The backward now folds them into the
+    rows or channels the math sees ([M, N], [N, C, L]); gradients match PyTorch's own backward."""
+    shape = (2, 4, *([1, 2] * ((rank - 3) // 2)), *([1] * ((rank - 3) % 2)), 3)
+    assert len(shape) == rank
+    client = LocalClient("cpu")
+    torch.manual_seed(0)
+    layers = [nn.LayerNorm(3), nn.LayerNorm(list(shape[-rank + 1 :])), nn.GroupNorm(2, 4), nn.RMSNorm(3)]
+    for layer in layers:
+        offloaded = offload_norms(copy.deepcopy(layer), client)
+        reference = copy.deepcopy(layer)
+        x = torch.randn(shape)
+        x_off, x_ref = x.clone().requires_grad_(), x.clone().requires_grad_()
+        (offloaded(x_off) ** 2).sum().backward()
+        (reference(x_ref) ** 2).sum().backward()
+        _close(x_off.grad, x_ref.grad, type(layer).__name__)
+        for off, ref in zip(offloaded.parameters(), reference.parameters()):
+            _close(off.grad, ref.grad, type(layer).__name__)
+    weight, bias = torch.rand(4) + 0.5, torch.randn(4)
+    x = torch.randn(shape)
+    inputs = [t.clone().requires_grad_() for t in (x, weight, bias)]
+    plain = [t.clone().requires_grad_() for t in (x, weight, bias)]
+    (batch_norm(inputs[0], None, None, inputs[1], inputs[2], training=True, client=client) ** 2).sum().backward()
+    (torch.nn.functional.batch_norm(plain[0], None, None, plain[1], plain[2], training=True) ** 2).sum().backward()
+    for off, ref in zip(inputs, plain):
+        _close(off.grad, ref.grad, "batch_norm")
+    client.close()

@@ -28,3 +28,7 @@ def copy_back(targets: tuple[Tensor, ...], staged: list[Tensor]) -> None:
     for target, result in zip(targets, staged):
         if result is not target:
             target.copy_(result)
+
+
+# The most dims the service takes in a tensor (CANN's limit); PyTorch's norms take any number.
+MAX_RANK = 8

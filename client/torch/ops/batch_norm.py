@@ -13,7 +13,7 @@ from torch import Tensor
 from aclnn_common.api import BaseClient
 
 from ..clients import client_by_id, client_id, live_client
-from ..gradients import copy_back, empty_gradient, gradient_buffer, staged
+from ..gradients import MAX_RANK, copy_back, empty_gradient, gradient_buffer, staged
 from ..local import differentiable_gradients, unserved_dtype, warn_not_served
 from .eager import compiling, eager_function, transformed
 
@@ -86,10 +86,14 @@ def _batch_norm_remote(
     # The service writes gradWeight/gradBias in weight's dtype (gradOut's without a weight) or FLOAT.
     allowed = (weight.dtype if weight is not None else grad_out.dtype, torch.float32)
     remote = staged((grad_weight, grad_bias), allowed, torch.float32)
+    grad_out_, input_, grad_input_ = grad_out, input, grad_input
+    if input.dim() > MAX_RANK:  # the same channels as [N, C, L] (gradInput is contiguous: a view, written in place)
+        grad_out_, input_ = grad_out.flatten(2), input.flatten(2)
+        grad_input_ = grad_input.view(*grad_input.shape[:2], -1) if output_mask[0] else grad_input
     client_by_id(client).run(
         "aclnnBatchNormBackward",
-        gradOut=grad_out,
-        input=input,
+        gradOut=grad_out_,
+        input=input_,
         weight=weight,
         runningMean=None if training else running_mean,
         runningVar=None if training else running_var,
@@ -98,7 +102,7 @@ def _batch_norm_remote(
         training=training,
         eps=eps,
         outputMask=list(output_mask),
-        gradInput=grad_input if output_mask[0] else None,
+        gradInput=grad_input_ if output_mask[0] else None,
         gradWeight=remote[0] if output_mask[1] else None,
         gradBias=remote[1] if output_mask[2] else None,
     )

@@ -14,7 +14,7 @@ from torch._prims_common import suggest_memory_format  # aten's Tensor::suggest_
 from aclnn_common.api import BaseClient
 
 from ..clients import client_by_id, client_id, live_client
-from ..gradients import copy_back, empty_gradient, gradient_buffer, staged
+from ..gradients import MAX_RANK, copy_back, empty_gradient, gradient_buffer, staged
 from ..local import differentiable_gradients, unserved_dtype, warn_not_served
 from .eager import compiling, eager_function, transformed
 
@@ -57,10 +57,14 @@ def _group_norm_remote(
     gamma = None if weight is None else weight.to(stats)
     remote = staged((grad_weight, grad_bias), (stats,), stats)
     n, c, hxw = _group_sizes(input)
+    grad_out_, input_, grad_input_ = grad_out, input, grad_input
+    if input.dim() > MAX_RANK:  # the same groups as [N, C, HxW] (gradInput is contiguous: a view, written in place)
+        grad_out_, input_ = grad_out.reshape(n, c, hxw), input.reshape(n, c, hxw)
+        grad_input_ = grad_input.view(n, c, hxw) if output_mask[0] else grad_input
     client_by_id(client).run(
         "aclnnGroupNormBackward",
-        gradOut=grad_out,
-        input=input,
+        gradOut=grad_out_,
+        input=input_,
         mean=mean.to(stats),
         rstd=rstd.to(stats),
         gamma=gamma,
@@ -69,7 +73,7 @@ def _group_norm_remote(
         HxW=hxw,
         group=num_groups,
         outputMask=list(output_mask),
-        gradInput=grad_input if output_mask[0] else None,
+        gradInput=grad_input_ if output_mask[0] else None,
         gradGammaOut=remote[0] if output_mask[1] else None,
         gradBetaOut=remote[1] if output_mask[2] else None,
     )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -12,7 +13,7 @@ from torch import Tensor
 from aclnn_common.api import BaseClient
 
 from ..clients import client_by_id, client_id, live_client
-from ..gradients import empty_gradient, gradient_buffer
+from ..gradients import MAX_RANK, empty_gradient, gradient_buffer
 from ..local import differentiable_gradients, unserved_dtype, warn_not_served
 from .eager import compiling, eager_function, transformed
 
@@ -44,19 +45,30 @@ def _layer_norm_remote(
     grad_input, grad_weight, grad_bias = _layer_norm_backward_fake(
         grad_out, input, normalized_shape, mean, rstd, weight, bias, output_mask, client
     )
+    shape, grad_out_, input_, mean_, rstd_ = list(normalized_shape), grad_out, input, mean, rstd
+    weight_, grad_input_, grad_weight_, grad_bias_ = weight, grad_input, grad_weight, grad_bias
+    if input.dim() > MAX_RANK:  # the same rows as [M, N] (the outputs are contiguous: views, written in place)
+        n = math.prod(shape)
+        m = math.prod(input.shape[: input.dim() - len(shape)])
+        grad_out_, input_ = grad_out.reshape(m, n), input.reshape(m, n)
+        mean_, rstd_ = mean.reshape(m, 1), rstd.reshape(m, 1)
+        weight_ = None if weight is None else weight.reshape(n)
+        grad_input_ = grad_input.reshape(m, n) if output_mask[0] else grad_input
+        grad_weight_, grad_bias_ = grad_weight.reshape(-1), grad_bias.reshape(-1)
+        shape = [n]
     client_by_id(client).run(
         "aclnnLayerNormBackward",
-        gradOut=grad_out,
-        input=input,
-        normalizedShape=list(normalized_shape),
-        mean=mean,
-        rstd=rstd,
-        weightOptional=weight,
+        gradOut=grad_out_,
+        input=input_,
+        normalizedShape=shape,
+        mean=mean_,
+        rstd=rstd_,
+        weightOptional=weight_,
         biasOptional=None,  # not used by the math: no need to ship it
         outputMask=list(output_mask),
-        gradInputOut=grad_input if output_mask[0] else None,
-        gradWeightOut=grad_weight if output_mask[1] else None,
-        gradBiasOut=grad_bias if output_mask[2] else None,
+        gradInputOut=grad_input_ if output_mask[0] else None,
+        gradWeightOut=grad_weight_ if output_mask[1] else None,
+        gradBiasOut=grad_bias_ if output_mask[2] else None,
     )
     return grad_input, grad_weight, grad_bias
 

@@ -13,7 +13,7 @@ from torch import Tensor
 from aclnn_common.api import BaseClient
 
 from ..clients import client_by_id, client_id, live_client
-from ..gradients import empty_gradient, gradient_buffer
+from ..gradients import MAX_RANK, empty_gradient, gradient_buffer
 from ..local import differentiable_gradients, unserved_dtype, warn_not_served
 from .eager import compiling, eager_function, transformed
 
@@ -57,9 +57,13 @@ def _rms_norm_remote(
         gamma = torch.ones(normalized_shape, dtype=input.dtype, device=input.device)
     else:
         gamma = weight if weight.dtype in (grad_out.dtype, torch.float32) else weight.float()
-    client_by_id(client).run(
-        "aclnnRmsNormGrad", dy=grad_out, x=input, rstd=rstd, gamma=gamma, dxOut=dx, dgammaOut=dgamma
-    )
+    dy, x, rstd_, gamma_, dx_, dgamma_ = grad_out, input, rstd, gamma, dx, dgamma
+    if input.dim() > MAX_RANK:  # the same rows as [M, N] (dx and dgamma are contiguous: views, written in place)
+        n = math.prod(normalized_shape)
+        m = input.numel() // n
+        dy, x, dx_ = grad_out.reshape(m, n), input.reshape(m, n), dx.view(m, n)
+        rstd_, gamma_, dgamma_ = rstd.reshape(m, 1), gamma.reshape(n), dgamma.view(n)
+    client_by_id(client).run("aclnnRmsNormGrad", dy=dy, x=x, rstd=rstd_, gamma=gamma_, dxOut=dx_, dgammaOut=dgamma_)
     if output_mask[1] and dgamma is not grad_weight:
         grad_weight.copy_(dgamma)
     return grad_input, grad_weight
