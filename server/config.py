@@ -32,6 +32,10 @@ BackendName = Literal["auto", "numpy", "cpu", "torch", "npu"]
 _config_file: contextvars.ContextVar[pathlib.Path | None] = contextvars.ContextVar("config_file", default=None)
 
 
+# Durations are finite and fit gRPC's 32-bit milliseconds (24 days).
+_MAX_SECONDS = 2_000_000.0
+
+
 class ServerOptions(BaseSettings):
     """Every server option; the field name is the flag (--max-queue) and the variable (ACLNN_MAX_QUEUE)."""
 
@@ -65,11 +69,17 @@ class ServerOptions(BaseSettings):
     data_handshake_timeout_s: float = Field(
         5.0,
         gt=0,
+        le=_MAX_SECONDS,
+        allow_inf_nan=False,
         description="seconds a data-channel connection has to present its ticket (TLS included); "
         "also each request's allowance, plus 1 s per MiB",
     )
     data_idle_timeout_s: float = Field(
-        60.0, gt=0, description="seconds an admitted data-channel connection may stay idle before it is closed"
+        60.0,
+        gt=0,
+        le=_MAX_SECONDS,
+        allow_inf_nan=False,
+        description="seconds an admitted data-channel connection may stay idle before it is closed",
     )
     metrics_port: int = Field(0, ge=0, le=65535, description="Prometheus /metrics port; 0 = off")
     tls_cert: pathlib.Path | None = Field(None, description="server certificate chain (PEM)")
@@ -84,8 +94,10 @@ class ServerOptions(BaseSettings):
         description="largest gRPC message, in bytes (larger tensors travel as uploads, downloads or over the "
         "data channel; messages being received are only counted in the memory budget once whole)",
     )
-    max_concurrency: int = Field(2, ge=1, description="operator executions running at once")
-    max_queue: int = Field(64, ge=0, description="executions waiting for a slot; beyond: RESOURCE_EXHAUSTED")
+    # Each running or queued execution may hold a thread (gRPC's and the data channel's workers): bounded, so
+    # that a typo is refused at start rather than failing to start threads (a container's pids.max).
+    max_concurrency: int = Field(2, ge=1, le=256, description="operator executions running at once")
+    max_queue: int = Field(64, ge=0, le=4096, description="executions waiting for a slot; beyond: RESOURCE_EXHAUSTED")
     memory_budget_bytes: int | None = Field(
         None,
         ge=1,
@@ -111,15 +123,29 @@ class ServerOptions(BaseSettings):
         description="gRPC calls one identity may have in progress (default: half of the server's call cap, "
         "--max-concurrency + --max-queue + 4); beyond: RESOURCE_EXHAUSTED at once",
     )
-    executor_ttl_s: float = Field(300.0, gt=0, description="seconds before a never-executed executor expires")
-    max_executors: int = Field(4096, ge=1, description="executors alive at once")
-    session_ttl_s: float = Field(
-        60.0, gt=0, description="seconds a client session's tensors and regions outlive its last call"
-    )
-    grace_period_s: float = Field(10.0, ge=0, description="seconds in-flight calls get to finish on SIGTERM")
-    max_connection_age_s: float = Field(
+    executor_ttl_s: float = Field(
         300.0,
         gt=0,
+        le=_MAX_SECONDS,
+        allow_inf_nan=False,
+        description="seconds before a never-executed executor expires",
+    )
+    max_executors: int = Field(4096, ge=1, description="executors alive at once")
+    session_ttl_s: float = Field(
+        60.0,
+        gt=0,
+        le=_MAX_SECONDS,
+        allow_inf_nan=False,
+        description="seconds a client session's tensors and regions outlive its last call",
+    )
+    grace_period_s: float = Field(
+        10.0, ge=0, le=_MAX_SECONDS, allow_inf_nan=False, description="seconds in-flight calls get to finish on SIGTERM"
+    )
+    max_connection_age_s: float = Field(
+        300.0,
+        ge=0.001,  # gRPC takes whole milliseconds: less would be 0, a GOAWAY at once
+        le=_MAX_SECONDS,
+        allow_inf_nan=False,
         description="seconds before the server asks a client to reconnect its gRPC connection (GOAWAY), so "
         "that clients resolving a DNS name spread onto replicas added since",
     )

@@ -109,6 +109,13 @@ def bad_files(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
         (["--tls-cert", "{bad}/junk.pem", "--tls-key", "{bad}/junk.pem"], "--tls-cert {bad}/junk.pem --tls-key {bad}/"),
         (["--config", "/dev/null/aclnn.toml"], "--config /dev/null/aclnn.toml is not a readable file"),
         (["--config", __file__], f"--config {__file__}:"),  # not TOML
+        # Each once a traceback (OverflowError, "can't start new thread") or a setting gRPC rounds to 0 ms:
+        (["--grace-period-s", "inf"], "--grace-period-s inf: Input should be a finite number"),
+        (["--session-ttl-s", "nan"], "--session-ttl-s nan: Input should be a finite number"),
+        (["--max-connection-age-s", "1e300"], "--max-connection-age-s 1e300: Input should be less than or equal"),
+        (["--max-connection-age-s", "0.0001"], "--max-connection-age-s 0.0001: Input should be greater than or"),
+        (["--max-queue", "1000000000000"], "--max-queue 1000000000000: Input should be less than or equal to 4096"),
+        (["--max-concurrency", "100000"], "--max-concurrency 100000: Input should be less than or equal to 256"),
     ],
 )
 def test_invalid_configuration_is_a_clear_error(args, message, bad_files):
