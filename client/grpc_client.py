@@ -53,8 +53,10 @@ _DEVICE_FAILED = grpc.StatusCode.ABORTED
 # back (a server restarting on its port), RECONNECT_WAIT_S in all (or the timeout, when shorter).
 ATTEMPTS = 4
 _BACKOFF_S = 0.05
-# How often a client holding state on a server (regions, repeatable executors) renews its session's lease.
+# The longest a client holding state on a server (regions, buffers, repeatable executors) waits between renewals
+# of its session's lease (sooner for a server whose lease is shorter: see Client._renew).
 _KEEPALIVE_S = 10.0
+_MIN_RENEWAL_S = 0.05  # however short a server's lease, renewals are no busy loop
 # Balanced channels spread stateless calls over every backend the name resolves to.
 _SERVICE_CONFIG = '{"loadBalancingConfig": [{"round_robin": {}}]}'
 # The default inline limits (max_inline_bytes None). Over gRPC a message's cost grows faster than its
@@ -824,13 +826,20 @@ class Client(BaseClient):
                 del self._held[replica]
 
     def _renew(self) -> None:
-        """Renews the leases of sessions holding state until close(); a failure is logged, never fatal."""
-        while not self._closed.wait(_KEEPALIVE_S):
+        """Renews the leases of sessions holding state until close(); a failure is logged, never fatal.
+        Each renewal comes within a third of the shortest lease the servers state (their
+        --session-ttl-s: a server's own setting, which a fixed period missed when it was short), and
+        at least every _KEEPALIVE_S; the first at once, to learn them."""
+        period = 0.0
+        while not self._closed.wait(period):
             with self._held_lock:
                 replicas = list(self._held)
+            period = _KEEPALIVE_S
             for replica in replicas:
                 try:
-                    self._call_on(replica, "KeepAlive", pb.Empty())
+                    lease = self._call_on(replica, "KeepAlive", pb.Empty())
+                    if lease.session_ttl_s > 0:  # a server that states none: the fixed period
+                        period = min(period, max(lease.session_ttl_s / 3, _MIN_RENEWAL_S))
                 except Exception as exc:  # the thread must outlive any one failure
                     log.warning("keepalive to %s failed: %s", self._pool.address(replica), exc)
 

@@ -112,7 +112,7 @@ METHODS: dict[str, tuple[type, type]] = {
     "SetExecutorRepeatable": (pb.ExecutorRef, pb.Empty),
     "DestroyExecutor": (pb.ExecutorRef, pb.Empty),
     "FreeTensor": (pb.TensorHandle, pb.Empty),
-    "KeepAlive": (pb.Empty, pb.Empty),
+    "KeepAlive": (pb.Empty, pb.Lease),
     "MallocBuffer": (pb.MallocRequest, pb.BufferInfo),
     "FreeBuffer": (pb.BufferRef, pb.Empty),
     "CopyBuffer": (pb.BufferCopy, pb.Empty),

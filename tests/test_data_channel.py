@@ -62,9 +62,10 @@ KEEPALIVE = b"\x09KeepAlive"  # a CALL payload: the method's name and no message
 
 
 def answers_keepalive(sock: socket.socket) -> bool:
-    """Whether the connection still serves in step: a KeepAlive call is answered with success."""
+    """Whether the connection still serves in step: a KeepAlive call is answered with success (the lease)."""
     sock.sendall(request(CALL, len(KEEPALIVE)) + KEEPALIVE)
-    return reply(sock) == (True, b"")
+    ok, payload = reply(sock)
+    return ok and pb.Lease.FromString(payload).session_ttl_s > 0
 
 
 def test_client_calls_go_over_the_data_channel(serve, rng):

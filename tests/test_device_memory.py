@@ -352,6 +352,24 @@ def test_buffers_are_counted_capped_and_end_with_the_session(serve):
     assert len(engine.buffers) == 0 and engine.ledger.held_by_kind().get("buffer", 0) == 0
 
 
+def test_an_idle_client_keeps_its_buffers_on_a_server_with_a_short_lease(serve):
+    """A server's --session-ttl-s below the client's fixed 10 s renewal ended an idle client's session and
+    freed its buffers under it (red-team finding). The server states its lease (KeepAlive's reply) and
+    the client renews within a third of it: idle for many leases, its buffer is there, bytes intact."""
+    served = serve(session_ttl_s=0.6)
+    data = np.arange(4096, dtype=np.uint8)
+    with Client(served.address) as c:
+        buf = c.malloc(data.nbytes)
+        c.memcpy(buf, data)
+        deadline = time.monotonic() + 3.0  # five leases with no call of the client's own
+        while time.monotonic() < deadline:
+            served.server.storage.reap()
+            time.sleep(0.1)
+        back = np.empty_like(data)
+        c.memcpy(back, buf)
+        np.testing.assert_array_equal(back, data)
+
+
 @pytest.mark.parametrize("backend", ["numpy", "torch"])
 def test_a_freed_buffer_stays_held_while_a_reply_still_sends_it(serve, backend):
     """Freeing a buffer whose bytes a ReadBuffer reply is still sending (to a reader that stalls) ends

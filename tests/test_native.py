@@ -596,6 +596,14 @@ def test_a_process_that_exits_without_freeing_leaves_nothing(native_prefix, comp
     assert served.engine.ledger.held_by_kind().get("buffer", 0) == 0
 
 
+def test_an_idle_program_keeps_its_memory_on_a_server_with_a_short_lease(native_prefix, compiled, serve):
+    """The library renewed its session every 10 s, whatever the server's --session-ttl-s: an idle program
+    lost its buffers to a shorter lease. It renews within a third of the lease the server states."""
+    served = serve(session_ttl_s=0.6)
+    out = run_program(native_prefix, compiled(PROGRAMS / "idle.cpp"), served.address, "3")
+    assert out.strip() == "kept 0 7"
+
+
 def test_example_sources_are_the_seeds_blocks():
     """The examples stay CANN's sample code as published: each is the last C++ block of its seed, byte for byte."""
     seeds = next((p / "shared" / "seeds" for p in ROOT.parents if (p / "shared" / "seeds").is_dir()), None)

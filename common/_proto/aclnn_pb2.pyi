@@ -340,6 +340,12 @@ class Empty(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class Lease(_message.Message):
+    __slots__ = ("session_ttl_s",)
+    SESSION_TTL_S_FIELD_NUMBER: _ClassVar[int]
+    session_ttl_s: float
+    def __init__(self, session_ttl_s: _Optional[float] = ...) -> None: ...
+
 class ParamInfo(_message.Message):
     __slots__ = ("name", "kind", "output", "optional", "inout")
     NAME_FIELD_NUMBER: _ClassVar[int]

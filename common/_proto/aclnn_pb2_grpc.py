@@ -83,7 +83,7 @@ class AclnnStub:
         self.KeepAlive = channel.unary_unary(
                 '/aclnn.v1.Aclnn/KeepAlive',
                 request_serializer=aclnn_dot_v1_dot_aclnn__pb2.Empty.SerializeToString,
-                response_deserializer=aclnn_dot_v1_dot_aclnn__pb2.Empty.FromString,
+                response_deserializer=aclnn_dot_v1_dot_aclnn__pb2.Lease.FromString,
                 _registered_method=True)
         self.ReserveCall = channel.unary_unary(
                 '/aclnn.v1.Aclnn/ReserveCall',
@@ -207,7 +207,8 @@ class AclnnServicer:
         raise NotImplementedError('Method not implemented!')
 
     def KeepAlive(self, request, context):
-        """Renews the calling session's lease; its handles and regions are freed when it lapses.
+        """Renews the calling session's lease; its handles and regions are freed when it lapses. The reply
+        says how long a lease lasts, so that a client renews in time against any server's setting.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -339,7 +340,7 @@ def add_AclnnServicer_to_server(servicer, server):
             'KeepAlive': grpc.unary_unary_rpc_method_handler(
                     servicer.KeepAlive,
                     request_deserializer=aclnn_dot_v1_dot_aclnn__pb2.Empty.FromString,
-                    response_serializer=aclnn_dot_v1_dot_aclnn__pb2.Empty.SerializeToString,
+                    response_serializer=aclnn_dot_v1_dot_aclnn__pb2.Lease.SerializeToString,
             ),
             'ReserveCall': grpc.unary_unary_rpc_method_handler(
                     servicer.ReserveCall,
@@ -666,7 +667,7 @@ class Aclnn:
             target,
             '/aclnn.v1.Aclnn/KeepAlive',
             aclnn_dot_v1_dot_aclnn__pb2.Empty.SerializeToString,
-            aclnn_dot_v1_dot_aclnn__pb2.Empty.FromString,
+            aclnn_dot_v1_dot_aclnn__pb2.Lease.FromString,
             options,
             channel_credentials,
             insecure,

@@ -317,11 +317,18 @@ void keep_alive()
 {
     static std::once_flag started;
     std::call_once(started, [] {
+        // Within a third of the lease the server states (its --session-ttl-s), at least every kKeepAlive;
+        // the first renewal at once, to learn it.
         std::thread([] {
+            auto period = std::chrono::duration<double>(0);
             for (;;) {
-                std::this_thread::sleep_for(kKeepAlive);
-                aclnn::v1::Empty request, reply;
-                stub().KeepAlive(context().get(), request, &reply);  // a failure: the next call reports it
+                std::this_thread::sleep_for(period);
+                aclnn::v1::Empty request;
+                aclnn::v1::Lease lease;
+                period = kKeepAlive;
+                grpc::Status status = stub().KeepAlive(context().get(), request, &lease);  // a failure: the next call reports it
+                if (status.ok() && lease.session_ttl_s() > 0)
+                    period = std::min(period, std::chrono::duration<double>(std::max(lease.session_ttl_s() / 3, 0.05)));
             }
         }).detach();
     });

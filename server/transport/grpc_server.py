@@ -228,7 +228,7 @@ class AclnnServicer(pb_grpc.AclnnServicer):
     def FreeTensor(self, request: pb.TensorHandle, context: grpc.ServicerContext) -> pb.Empty:
         return self._serve("FreeTensor", request, context)
 
-    def KeepAlive(self, request: pb.Empty, context: grpc.ServicerContext) -> pb.Empty:
+    def KeepAlive(self, request: pb.Empty, context: grpc.ServicerContext) -> pb.Lease:
         return self._serve("KeepAlive", request, context)
 
     def OpenDataChannel(self, request: pb.Empty, context: grpc.ServicerContext) -> pb.DataChannelTicket:

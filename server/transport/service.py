@@ -621,8 +621,8 @@ class AclnnService:
         self.storage.end(call.session, call.owner)
         return pb.Empty()
 
-    def KeepAlive(self, request: pb.Empty, call: CallContext) -> pb.Empty:
-        return pb.Empty()  # invoke renewed the session's lease
+    def KeepAlive(self, request: pb.Empty, call: CallContext) -> pb.Lease:
+        return pb.Lease(session_ttl_s=self.storage.session_ttl_s)  # invoke renewed the session's lease
 
     def OpenDataChannel(self, request: pb.Empty, call: CallContext) -> pb.DataChannelTicket:
         if self.issue_ticket is None:
