@@ -89,15 +89,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"aclnn-serve: --config {config_file}: {error}", file=sys.stderr)
         return 2
     logging.basicConfig(level=options.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # Before anything starts: a signal in the first moments met the defaults (SIGHUP's ends the process).
+    stop, reloads = threading.Event(), []
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stop.set())
+    signal.signal(signal.SIGHUP, lambda *_: [reload() for reload in reloads])  # the token file, once there is a server
     try:
         server, port, engine = create_server(options)
     except (ValueError, RuntimeError, OSError) as exc:  # each names the flags and values at fault
         log.error("cannot start: %s", exc)
         return 1
-    stop = threading.Event()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda *_: stop.set())
-    signal.signal(signal.SIGHUP, lambda *_: server.reload())  # its default would end the process at once
+    reloads.append(server.reload)
     try:
         server.start()
     except (ValueError, OSError) as exc:  # the metrics port
@@ -112,9 +114,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             options.backend,
         )
     while not engine.ready.wait(0.2):
-        if stop.is_set():
+        if stop.is_set():  # asked to stop while the backend loads: nothing was served, a clean stop
+            log.info("stopped while the %s backend was loading", options.backend)
             server.stop(0).wait()
-            return 1
+            return 0
     if engine.load_error is not None:
         log.error("cannot start: --backend %s: %s", options.backend, engine.load_error)
         server.stop(0).wait()
@@ -141,7 +144,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     print(f"listening on {options.host}:{port}", flush=True)
     _wait_for(stop)
-    log.info("draining: health NOT_SERVING, new calls refused, in-flight calls get %.0f s", options.grace_period_s)
+    log.info("draining: health NOT_SERVING, new calls refused, in-flight calls get %g s", options.grace_period_s)
     started = time.monotonic()
     server.stop(options.grace_period_s).wait()
     log.info("stopped after %.2f s", time.monotonic() - started)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -261,3 +262,29 @@ def test_a_warm_cache_compiles_nothing():
         server.close()
     if "seconds" in _COLD:  # the cold start of this run (when the slow test ran before)
         assert warm < _COLD["seconds"] / 5, f"warm start {warm:.1f} s against a cold one of {_COLD['seconds']:.1f} s"
+
+
+def test_signals_while_the_backend_loads(fake, tmp_path):
+    """SIGHUP while a named backend loads reloads nothing and ends nothing; SIGTERM then stops the server
+    cleanly (exit 0, said in the log). It exited 1 without a word (red-team finding)."""
+    log = tmp_path / "server.log"
+    with log.open("w") as stderr:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "aclnn_server", "--port", "0", "--backend", "npu", "--log-level", "INFO"],
+            stdout=subprocess.DEVNULL,
+            stderr=stderr,
+            env={**os.environ, "ACLNN_CANN_LIB_DIR": str(fake.directory), "FAKE_CANN_INIT_DELAY_MS": "30000"},
+        )
+    try:
+        deadline = time.monotonic() + 60
+        while "NOT_SERVING" not in log.read_text() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGHUP)
+        time.sleep(0.3)
+        assert proc.poll() is None, log.read_text()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0, log.read_text()
+        assert "stopped while the npu backend was loading" in log.read_text()
+    finally:
+        proc.kill()
+        proc.wait()
