@@ -3,6 +3,7 @@ pickling user subclasses, lazy BatchNorm, TorchScript (issues found by a PyTorch
 
 from __future__ import annotations
 
+import copy
 import io
 import pickle
 
@@ -130,3 +131,31 @@ def test_torchscript_says_why_it_cannot_script_an_offloaded_layer_and_trace_work
         traced = torch.jit.trace(model, x)
     torch.testing.assert_close(traced(x), model(x), rtol=0, atol=0)
     torch.jit.script(restore_norms(model))
+
+
+def test_symbolic_trace_keeps_each_offloaded_layer_whole():
+    """torch.fx.symbolic_trace keeps PyTorch's norm layers as call_module leaves (their class lives in
+    torch.nn); an offloaded one it traced into, whose forward branches on the input's dtype: TraceError
+    (red-team finding; torchvision's feature extraction and FX quantization trace so). Each offloaded
+    layer is now one call_module node, and the traced module computes as the model does, its norms'
+    backwards on the service."""
+    from torch import fx
+
+    model = nn.Sequential(
+        nn.Linear(6, 8), nn.LayerNorm(8), nn.Unflatten(1, (4, 2)), nn.BatchNorm1d(4), nn.GroupNorm(2, 4),
+        nn.Flatten(), nn.RMSNorm(8),
+    )  # fmt: skip
+    plain = copy.deepcopy(model)
+    client = CountingClient()
+    offloaded = offload_norms(model, client)
+    traced = fx.symbolic_trace(offloaded)
+    leaves = [node.target for node in traced.graph.nodes if node.op == "call_module"]
+    assert leaves == ["0", "1", "2", "3", "4", "5", "6"], traced.graph
+    x = torch.randn(5, 6)
+    x_traced, x_plain = x.clone().requires_grad_(), x.clone().requires_grad_()
+    (traced(x_traced) ** 2).sum().backward()
+    (plain(x_plain) ** 2).sum().backward()
+    torch.testing.assert_close(x_traced.grad, x_plain.grad, rtol=1e-4, atol=1e-5)
+    assert sorted(client.calls) == sorted(
+        ["aclnnLayerNormBackward", "aclnnBatchNormBackward", "aclnnGroupNormBackward", "aclnnRmsNormGrad"]
+    )

@@ -7,7 +7,7 @@ import weakref
 from typing import Any
 
 import torch.distributed as dist
-from torch import Tensor, nn
+from torch import Tensor, fx, nn
 from torch.nn.modules.lazy import LazyModuleMixin
 
 from aclnn_common.api import BaseClient
@@ -58,6 +58,13 @@ def _runs_in_pytorch(layer: nn.Module, input: Tensor) -> bool:
     return True
 
 
+def _fx_leaf(layer: nn.Module, input: fx.Proxy) -> fx.Proxy:
+    """Under torch.fx.symbolic_trace, the layer as one call_module node, as PyTorch's own norm layers are
+    (FX keeps a module whole only when its class lives in torch.nn): tracing into the forward met its
+    Python branches on the input's dtype and failed; the traced module calls the layer, offloaded."""
+    return input.tracer.create_proxy("call_module", input.tracer.path_of_module(layer), (input,), {})
+
+
 class _Offloaded:
     """What every offloaded class has: it pickles as the class it was made from (a user's subclass
     too, whose offloaded class is made at run time and has no importable name), and refuses
@@ -86,6 +93,8 @@ class _OffloadedLayerNorm(_Offloaded):
     _aclnn: _Binding
 
     def forward(self, input: Tensor) -> Tensor:
+        if isinstance(input, fx.Proxy):
+            return _fx_leaf(self, input)
         if _runs_in_pytorch(self, input):
             return super().forward(input)
         return layer_norm_with_id(input, self.normalized_shape, self.weight, self.bias, self.eps, self._aclnn.id)
@@ -97,6 +106,8 @@ class _OffloadedBatchNorm(_Offloaded):
     _aclnn: _Binding
 
     def forward(self, input: Tensor) -> Tensor:
+        if isinstance(input, fx.Proxy):
+            return _fx_leaf(self, input)
         if _runs_in_pytorch(self, input):
             return super().forward(input)
         self._check_input_dim(input)
@@ -129,6 +140,8 @@ class _OffloadedSyncBatchNorm(_OffloadedBatchNorm):
         self._aclnn = _Binding(client)
 
     def forward(self, input: Tensor) -> Tensor:
+        if isinstance(input, fx.Proxy):
+            return _fx_leaf(self, input)
         world_size = self._world_size() if self.training else 1
         if world_size > 1 and not input.is_cuda:  # PyTorch's own SyncBatchNorm takes only GPU tensors
             dtype = unserved_dtype(input, *self._parameters.values(), *self._buffers.values())
@@ -138,6 +151,8 @@ class _OffloadedSyncBatchNorm(_OffloadedBatchNorm):
                     f"aclnn service, which does not serve {str(dtype).removeprefix('torch.')}: train it in float32, "
                     "float16 or bfloat16 (PyTorch's own SyncBatchNorm takes only GPU tensors)"
                 )
+        if isinstance(input, fx.Proxy):
+            return _fx_leaf(self, input)
         if _runs_in_pytorch(self, input):
             return super().forward(input)  # nn.SyncBatchNorm's, through the offloaded BatchNorm's check
         self._check_input_dim(input)
@@ -166,6 +181,8 @@ class _OffloadedRMSNorm(_Offloaded):
     _aclnn: _Binding
 
     def forward(self, x: Tensor) -> Tensor:
+        if isinstance(x, fx.Proxy):
+            return _fx_leaf(self, x)
         if _runs_in_pytorch(self, x):
             return super().forward(x)
         return rms_norm_with_id(x, self.normalized_shape, self.weight, self.eps, self._aclnn.id)
@@ -177,6 +194,8 @@ class _OffloadedGroupNorm(_Offloaded):
     _aclnn: _Binding
 
     def forward(self, input: Tensor) -> Tensor:
+        if isinstance(input, fx.Proxy):
+            return _fx_leaf(self, input)
         if _runs_in_pytorch(self, input):
             return super().forward(input)
         return group_norm_with_id(input, self.num_groups, self.weight, self.bias, self.eps, self._aclnn.id)
