@@ -159,3 +159,31 @@ def test_symbolic_trace_keeps_each_offloaded_layer_whole():
     assert sorted(client.calls) == sorted(
         ["aclnnLayerNormBackward", "aclnnBatchNormBackward", "aclnnGroupNormBackward", "aclnnRmsNormGrad"]
     )
+
+
+def test_a_layer_parametrized_after_offloading_rebinds_and_restores():
+    """torch's parametrize (weight_norm, orthogonal, register_parametrization) makes a class of the layer's
+    own for it, here of the offloaded one: offloading again kept the first client, restore_norms left the
+    layer offloaded (red-team finding). Both now see it; removing the parametrization after restoring
+    gives back the plain layer."""
+    import torch.nn.utils.parametrize as parametrize
+
+    class Exp(nn.Module):
+        def forward(self, w):
+            return w.exp()
+
+    first, second = CountingClient(), CountingClient()
+    model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
+    offload_norms(model, first)
+    parametrize.register_parametrization(model[1], "weight", Exp())
+    offload_norms(model, second)
+    model(torch.randn(2, 4)).square().sum().backward()
+    assert (first.calls, second.calls) == ([], ["aclnnLayerNormBackward"])
+    restore_norms(model)
+    first.close()
+    second.close()  # a restored model calls no client
+    model(torch.randn(2, 4)).square().sum().backward()
+    assert second.calls == ["aclnnLayerNormBackward"] and not hasattr(model[1], "_aclnn")
+    assert type(model[1]).__mro__[1] is nn.LayerNorm and type(model[1]).__name__ == "ParametrizedLayerNorm"
+    parametrize.remove_parametrizations(model[1], "weight")
+    assert type(model[1]) is nn.LayerNorm

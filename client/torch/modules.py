@@ -254,7 +254,7 @@ def offload_norms(module: nn.Module, client: BaseClient) -> nn.Module:
     binding = _Binding(client)
     for name, m in module.named_modules():
         cls = type(m)
-        if cls in _offloaded.values():
+        if isinstance(m, _Offloaded):  # its class, or one made of it since (torch's parametrize makes one)
             m._aclnn, m._aclnn_name = binding, name
             continue
         for base, stock_forward, _ in _STOCK:
@@ -269,9 +269,19 @@ def restore_norms(module: nn.Module) -> nn.Module:
     """Undoes `offload_norms`: every offloaded layer in `module` gets its own class back; returns `module`."""
     originals = {sub: cls for cls, sub in _offloaded.items()}
     for m in module.modules():
-        original = originals.get(type(m))
-        if original is not None:
-            m.__class__ = original
-            del m._aclnn
-            m.__dict__.pop("_aclnn_name", None)
+        if not isinstance(m, _Offloaded):
+            continue
+        cls = type(m)
+        if cls in originals:
+            m.__class__ = originals[cls]
+        elif len(cls.__bases__) == 1 and cls.__bases__[0] in originals:
+            # A class made of the offloaded one for this layer alone (torch's parametrize makes one per
+            # module, and takes its base back when the parametrization is removed): its base goes back.
+            offloaded, original = cls.__bases__[0], originals[cls.__bases__[0]]
+            cls.__bases__ = (original,)
+            cls.__name__ = cls.__qualname__ = cls.__name__.replace(offloaded.__name__, original.__name__)
+        else:
+            raise TypeError(f"{cls.__qualname__} was made of an offloaded class: restore_norms cannot take it apart")
+        del m._aclnn
+        m.__dict__.pop("_aclnn_name", None)
     return module
