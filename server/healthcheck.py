@@ -21,6 +21,7 @@ or arguments.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import pathlib
 import socket
@@ -150,8 +151,19 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"the probe's client certificate for mutual TLS (env {CERT_VARIABLE}; default: the server's own)",
     )
     parser.add_argument("--key", type=pathlib.Path, help=f"the key of --cert (env {KEY_VARIABLE})")
-    parser.add_argument("--timeout", type=float, default=TIMEOUT_S, help=f"seconds to wait (default {TIMEOUT_S})")
+    parser.add_argument("--timeout", type=_seconds, default=TIMEOUT_S, help=f"seconds to wait (default {TIMEOUT_S})")
     return parser
+
+
+def _seconds(text: str) -> float:
+    """A positive, finite number of seconds (anything else: argparse's usage error, status 2)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"{text} is not a positive, finite number of seconds")
+    return value
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -123,6 +123,9 @@ def test_unusable_settings():
     the server would refuse to serve on, the probe still dials (here nothing listens: 1)."""
     assert probe(0).returncode == 2
     assert probe(free_port(), host="0.0.0.0").returncode == 1
+    for timeout in ("-1", "0", "nan", "inf", "soon"):  # each once "unhealthy" (1): a deadline already past
+        result = probe(free_port(), "--timeout", timeout)
+        assert result.returncode == 2 and "--timeout" in result.stderr, (timeout, result.stderr)
 
 
 def test_flags_point_the_probe_and_win_over_the_environment(serve):
