@@ -39,7 +39,9 @@ _MAX_SECONDS = 2_000_000.0
 class ServerOptions(BaseSettings):
     """Every server option; the field name is the flag (--max-queue) and the variable (ACLNN_MAX_QUEUE)."""
 
-    model_config = SettingsConfigDict(env_prefix="ACLNN_", extra="forbid", validate_default=True)
+    # An empty ACLNN_* variable is unset (a template's FOO= means "the default"): ACLNN_UNIX_SOCKET= turned the
+    # socket off, where `off` says so.
+    model_config = SettingsConfigDict(env_prefix="ACLNN_", extra="forbid", validate_default=True, env_ignore_empty=True)
 
     host: str = Field(
         "127.0.0.1", description="address to bind; a non-loopback address needs TLS and tokens, or --insecure"

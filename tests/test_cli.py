@@ -89,6 +89,14 @@ def test_flags_beat_environment_beat_config_file(tmp_path):
     assert '"max_queue":3' in options and '"max_executors":6' in options and '"executor_ttl_s":8.0' in options
 
 
+def test_an_empty_environment_variable_is_unset():
+    """ACLNN_UNIX_SOCKET= (a template's empty line) turned the socket off; empty means the default."""
+    env = {**os.environ, "ACLNN_UNIX_SOCKET": "", "ACLNN_MAX_QUEUE": ""}
+    code = "from aclnn_server.config import load_options; o = load_options({}); print(o.unix_socket, o.max_queue)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60, check=True)
+    assert done.stdout.split() == ["auto", "64"]
+
+
 @pytest.fixture(scope="module")
 def bad_files(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
     """A file that is no PEM, an empty token file, and a plain file where a socket would go."""
