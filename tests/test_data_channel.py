@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
+import os
 import socket
+import time
 
 import grpc
 import numpy as np
@@ -289,3 +291,41 @@ def test_client_deadline_applies_on_the_data_channel(serve, rng):
 )
 def test_data_channel_host(address, host):
     assert data_channel_host(address) == host
+
+
+def test_auto_socket_directories_of_dead_servers_are_removed(serve):
+    """A server killed (SIGKILL) leaves its `auto` directory and socket under the temp dir (hundreds piled
+    up); the next server with `auto` removes this user's whose socket answers nobody. One whose socket
+    is listened on, a young one (a server still starting) and another user's stay."""
+    import stat
+    import tempfile
+
+    def made(listening: bool, age_s: float, uid: int | None = None) -> tuple[str, socket.socket]:
+        directory = tempfile.mkdtemp(prefix="aclnn-serve-")
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.bind(os.path.join(directory, "data.sock"))
+        if listening:
+            sock.listen()
+        else:
+            sock.close()  # the file stays, as a killed server leaves it
+        if uid is not None:
+            os.chown(directory, uid, uid)
+        os.utime(directory, (time.time() - age_s, time.time() - age_s))
+        return directory, sock
+
+    dead, _ = made(listening=False, age_s=3600)
+    live, listener = made(listening=True, age_s=3600)
+    young, _ = made(listening=False, age_s=0)
+    others = made(listening=False, age_s=3600, uid=65534)[0] if os.getuid() == 0 else None
+    try:
+        serve(unix_socket="auto")
+        assert not os.path.exists(dead)
+        assert os.path.exists(live) and os.path.exists(young)
+        assert others is None or stat.S_ISDIR(os.lstat(others).st_mode)
+    finally:
+        listener.close()
+        for directory in (live, young, others):
+            if directory is not None:
+                for name in os.listdir(directory):
+                    os.unlink(os.path.join(directory, name))
+                os.rmdir(directory)

@@ -143,7 +143,8 @@ class DataChannelServer:
 
     def _unix_listener(self, setting: str) -> socket.socket:
         if setting == "auto":
-            self._made_directory = tempfile.mkdtemp(prefix="aclnn-serve-")
+            _remove_stale_directories()
+            self._made_directory = tempfile.mkdtemp(prefix=_AUTO_PREFIX)
             # Others may reach the socket (tickets authenticate them) but not list or add files here.
             os.chmod(self._made_directory, 0o711)
             path = os.path.join(self._made_directory, "data.sock")
@@ -578,6 +579,33 @@ def _local_user(conn: Connection) -> str | None:
         return f"uid:{conn.peer[1]}"
     uid = None if conn.unix else connection_user(conn.sock)
     return None if uid is None else f"uid:{uid}"
+
+
+_AUTO_PREFIX = "aclnn-serve-"
+_STALE_AFTER_S = 60.0  # younger, a directory may be a server's that is still starting (not listening yet)
+
+
+def _remove_stale_directories() -> None:
+    """Removes the `auto` socket directories of this user's servers that died without a word (SIGKILL,
+    a crash): each left under the temp dir, its socket answering nobody. Another user's, a live
+    server's or a young one are left alone; so is anything that is not just such a directory."""
+    base = tempfile.gettempdir()
+    try:
+        names = [name for name in os.listdir(base) if name.startswith(_AUTO_PREFIX)]
+    except OSError:
+        return
+    for name in names:
+        directory = os.path.join(base, name)
+        try:
+            info = os.lstat(directory)
+            if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
+                continue
+            if time.time() - info.st_mtime < _STALE_AFTER_S or os.listdir(directory) != ["data.sock"]:
+                continue
+            _remove_stale_socket(os.path.join(directory, "data.sock"))  # refuses a socket someone listens on
+            os.rmdir(directory)
+        except OSError:
+            continue  # alive, changed meanwhile, or not ours to remove
 
 
 def _remove_stale_socket(path: str) -> None:
