@@ -1,5 +1,6 @@
 // libnnopbase: the argument objects (aclTensor, arrays). They only describe: nothing here talks to the server.
 #include <algorithm>
+#include <cstdint>
 #include <new>
 
 #include "objects.h"
@@ -62,8 +63,10 @@ aclTensor *aclCreateTensor(const int64_t *viewDims, uint64_t viewDimsNum, aclDat
         tensor->strides.assign(stride, stride + viewDimsNum);
     } else {  // contiguous, as CANN assumes without strides
         tensor->strides.assign(viewDimsNum, 1);
+        // A product past int64 stays at its limit (no signed overflow): the server refuses such a tensor.
         for (int64_t i = static_cast<int64_t>(viewDimsNum) - 2; i >= 0; i--)
-            tensor->strides[i] = tensor->strides[i + 1] * viewDims[i + 1];
+            if (__builtin_mul_overflow(tensor->strides[i + 1], viewDims[i + 1], &tensor->strides[i]))
+                tensor->strides[i] = INT64_MAX;
     }
     tensor->offset = offset;
     tensor->data_type = dataType;
