@@ -830,18 +830,19 @@ class Client(BaseClient):
         Each renewal comes within a third of the shortest lease the servers state (their
         --session-ttl-s: a server's own setting, which a fixed period missed when it was short), and
         at least every _KEEPALIVE_S; the first at once, to learn them."""
+        leases: dict[int, float] = {}  # what each server stated, kept while it holds nothing of ours too
         period = 0.0
         while not self._closed.wait(period):
             with self._held_lock:
                 replicas = list(self._held)
-            period = _KEEPALIVE_S
             for replica in replicas:
                 try:
                     lease = self._call_on(replica, "KeepAlive", pb.Empty())
                     if lease.session_ttl_s > 0:  # a server that states none: the fixed period
-                        period = min(period, max(lease.session_ttl_s / 3, _MIN_RENEWAL_S))
+                        leases[replica] = lease.session_ttl_s
                 except Exception as exc:  # the thread must outlive any one failure
                     log.warning("keepalive to %s failed: %s", self._pool.address(replica), exc)
+            period = min([_KEEPALIVE_S] + [max(ttl / 3, _MIN_RENEWAL_S) for ttl in leases.values()])
 
 
 class _Transfers:
