@@ -90,6 +90,15 @@ class Reservations:
             )
         return hold
 
+    def holds(self, owner: str | None, session: str | None, reservation_id: str) -> bool:
+        """Whether the reservation is live (its call has begun: it goes on while the server drains)."""
+        with self._lock:
+            return (owner, session, reservation_id) in self._live
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._live)
+
     def take(self, owner: str | None, session: str | None, reservation_id: str) -> dict[str, Hold] | None:
         """The holds a call runs on ("call", "result"), the reservation ended; None when it is unknown."""
         with self._lock:

@@ -63,6 +63,7 @@ class Storage:
         self._per_identity: collections.Counter[str | None] = collections.Counter()
         self._mapped: collections.Counter[str | None] = collections.Counter()  # regions with a view alive
         self._inodes: set[tuple[int, int]] = set()  # memfds mapped now (each at most once)
+        self._unfetched: set[str] = set()  # handles of kept results not downloaded yet (see `unfetched`)
         # Reentrant: a region's last view may be dropped by a thread that holds it (see _unmapped).
         self._lock = threading.RLock()
 
@@ -155,6 +156,7 @@ class Storage:
         """Drops a session with the names of its handles and regions (their memory goes with its last view)."""
         session = self._sessions.pop(key)
         session.ended = True
+        self._unfetched.difference_update(session.handles)
         session.handles.clear()  # a call that looked its session up still sees them go
         session.regions.clear()
         self._per_identity[key[0]] -= 1
@@ -178,23 +180,36 @@ class Storage:
         hold.follow(buffer)
         return memoryview(buffer)
 
-    def add_handle(self, session_id: str | None, owner: str | None, buffer: memoryview) -> str:
-        """Keeps `buffer` as a handle of the session (its hold follows the buffer's memory)."""
+    def add_handle(self, session_id: str | None, owner: str | None, buffer: memoryview, result: bool = False) -> str:
+        """Keeps `buffer` as a handle of the session (its hold follows the buffer's memory); a call's kept
+        `result` counts as unfetched until it is downloaded, freed or its session ends."""
         with self._locked():
             handle = secrets.token_hex(16)
             self._session(session_id, owner).handles[handle] = buffer
+            if result:
+                self._unfetched.add(handle)
             return handle
 
-    def handle(self, session_id: str | None, owner: str | None, handle: str) -> memoryview:
+    def handle(self, session_id: str | None, owner: str | None, handle: str, fetched: bool = False) -> memoryview:
+        """A handle's bytes (`fetched`: a download of them, after which a result no longer counts as unfetched)."""
         with self._locked():
             buffer = self._session(session_id, owner, create=False).handles.get(handle)
+            if buffer is not None and fetched:
+                self._unfetched.discard(handle)
         if buffer is None:
             raise invalid_error("handle", f"tensor handle {handle[:8]}... is unknown or freed")
         return buffer
 
+    @property
+    def unfetched(self) -> int:
+        """Kept results not downloaded yet: what calls that ran still owe their clients (a drain waits for them)."""
+        with self._locked():
+            return len(self._unfetched)
+
     def free_handle(self, session_id: str | None, owner: str | None, handle: str) -> None:
         with self._locked():
             buffer = self._session(session_id, owner, create=False).handles.pop(handle, None)
+            self._unfetched.discard(handle)
         if buffer is None:
             raise invalid_error("handle", f"tensor handle {handle[:8]}... is unknown or freed")
 

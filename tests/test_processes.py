@@ -132,15 +132,21 @@ def broadcast_call(seed: int, rows: int = 8192, n: int = 4096) -> dict:
     )
 
 
-@pytest.mark.parametrize("kept", [False, True], ids=["results in the reply", "results kept, then downloaded"])
-def test_sigterm_drains_calls_in_flight(kept):
+@pytest.mark.parametrize(
+    "options",
+    [{}, dict(data_channel=False, max_inline_bytes=1024), dict(max_inline_bytes=1024),
+     dict(max_inline_bytes=1024, unix_socket=False)],
+    ids=["results in the reply", "kept over gRPC", "kept over the Unix socket", "kept over TCP"],
+)  # fmt: skip
+def test_sigterm_drains_calls_in_flight(options):
     """Every call in flight at SIGTERM completes, and a new one is refused UNAVAILABLE (its client moves
-    on). Results kept on the server (above max_inline_bytes, over gRPC) are still downloaded after the
-    call: the server refused those downloads as new calls, failing calls it had computed (red-team finding)."""
+    on). A call's later steps (its uploads, its Run on its reservation) and its kept results' downloads
+    (above max_inline_bytes) are still served: the server refused them as new calls, and the data
+    channel closed under them, failing calls it had begun or computed (red-team findings)."""
     metrics_port = free_port()
     proc, address = start_server("--max-concurrency", "1", "--metrics-port", str(metrics_port))
     calls = [broadcast_call(i) for i in range(8)]
-    options = dict(data_channel=False, max_inline_bytes=1024) if kept else {}
+    kept = bool(options)
     try:
         with Client(address, **options) as c, concurrent.futures.ThreadPoolExecutor(len(calls)) as pool:
             c.list_operators()
@@ -161,6 +167,23 @@ def test_sigterm_drains_calls_in_flight(kept):
             assert_close(p["gradWeightOut"], len(p["mean"]) * g * x)
             assert_close(p["gradBiasOut"], len(p["mean"]) * g)
         assert proc.wait(timeout=30) == 0
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_an_abandoned_upload_does_not_hold_up_a_drain():
+    """A drain waits for the results calls still owe, not for every handle: one tensor uploaded by a
+    client that then went away made each SIGTERM wait the whole grace period (red-team finding)."""
+    proc, address = start_server("--grace-period-s", "20")
+    try:
+        with grpc.insecure_channel(address) as channel:
+            chunk = pb.TensorChunk(total_size=64, data=bytes(64))
+            pb_grpc.AclnnStub(channel).UploadTensor(iter([chunk]), metadata=(("x-aclnn-session", "gone"),))
+        started = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+        assert time.monotonic() - started < 5
     finally:
         proc.kill()
         proc.wait()

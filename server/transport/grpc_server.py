@@ -425,26 +425,25 @@ class AclnnServer:
     def stop(self, grace: float | None) -> threading.Event:
         """Reports NOT_SERVING, refuses new calls, lets in-flight ones finish within `grace` seconds.
 
-        Over gRPC, calls that finish may still have their kept results downloaded (a call is not over
-        for its client before): the server takes DownloadTensor and FreeTensor until no call is in
-        flight and no result is kept, or the grace period ends. The event is set once both transports
-        have stopped and the backend is released.
+        New calls are refused UNAVAILABLE (ServerLeaving), on both transports; a call begun before (its
+        reservation live) goes on, and a call's kept results may still be downloaded (a call is not over
+        for its client before): both transports serve until nothing is in flight, no reservation is
+        live and no kept result is unfetched, or the grace period ends. The event is set once both
+        transports have stopped and the backend is released.
         """
         self.health.enter_graceful_shutdown()
         self._stopping.set()
-        self.call_limit.drain()
+        self.service.draining = True
         deadline = time.monotonic() + (grace or 0)
         stopped = threading.Event()
 
         def release() -> None:
-            if self.data_channel is not None:
-                self.data_channel.stop(grace)
-            while grace is not None and time.monotonic() < deadline:
-                if not self.call_limit.active and not self.storage.counts()[0]:
-                    break
+            while grace is not None and time.monotonic() < deadline and not self._settled():
                 time.sleep(0.02)
-            grpc_stopped = self.grpc.stop(None if grace is None else max(0.0, deadline - time.monotonic()))
-            grpc_stopped.wait()
+            left = None if grace is None else max(0.0, deadline - time.monotonic())
+            if self.data_channel is not None:
+                self.data_channel.stop(left)
+            self.grpc.stop(left).wait()
             self._health_pool.shutdown(wait=False)
             self._refusal_pool.shutdown(wait=False)
             self.progress.stop()
@@ -455,6 +454,12 @@ class AclnnServer:
 
         threading.Thread(target=release, name="aclnn-release", daemon=True).start()
         return stopped
+
+    def _settled(self) -> bool:
+        """Nothing a client still waits for: no call in flight on either transport, no call begun (a live
+        reservation), no kept result unfetched."""
+        busy = self.call_limit.active or (self.data_channel is not None and self.data_channel.busy)
+        return not busy and not len(self.engine.reservations) and not self.storage.unfetched
 
     def reload(self) -> None:
         """SIGHUP: reads --auth-token-file again (tokens rotate without a restart); a file that does not

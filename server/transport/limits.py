@@ -21,7 +21,6 @@ from concurrent import futures
 from typing import Any
 
 import grpc
-from google.rpc import code_pb2, status_pb2
 from grpc_status import rpc_status
 
 from aclnn_common.errors import Status
@@ -30,9 +29,6 @@ from ..errors import CapacityError
 from .service import error_status
 
 HEALTH = "/grpc.health.v1.Health/"
-# What a draining server still takes: the kept results of calls that ran (their clients fetch them once
-# the call's reply came, and a call is not over for its client until it has them).
-FETCHES = frozenset({"/aclnn.v1.Aclnn/DownloadTensor", "/aclnn.v1.Aclnn/FreeTensor"})
 
 
 _MAKERS = {  # (request streaming, response streaming): the handler's constructor
@@ -94,14 +90,6 @@ class CallLimit(grpc.ServerInterceptor):
         self._busy_tenant = _busy_status(
             f"this caller has {self.per_identity} calls in progress, its share of the server; retry shortly"
         )
-        self.draining = False
-        self._leaving = rpc_status.to_status(
-            status_pb2.Status(code=code_pb2.UNAVAILABLE, message="the server is shutting down: call another replica")
-        )
-
-    def drain(self) -> None:
-        """From now on every new call but FETCHES is refused UNAVAILABLE (clients move to another replica)."""
-        self.draining = True
 
     def intercept_service(
         self, continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler], details: grpc.HandlerCallDetails
@@ -111,8 +99,6 @@ class CallLimit(grpc.ServerInterceptor):
             return None  # grpc answers UNIMPLEMENTED without a thread
         if details.method.startswith(HEALTH):
             return on_pool(handler, self.health_pool)
-        if self.draining and details.method not in FETCHES:
-            return _handler(self._refuse_leaving, handler, request_streaming=True)
         with self._lock:
             admitted = self.active < self.limit
             self.active += admitted
@@ -142,9 +128,6 @@ class CallLimit(grpc.ServerInterceptor):
 
     def _refuse(self, requests: Any, context: grpc.ServicerContext) -> None:
         context.abort_with_status(self._busy)  # the request is never read
-
-    def _refuse_leaving(self, requests: Any, context: grpc.ServicerContext) -> None:
-        context.abort_with_status(self._leaving)
 
     def _holding(self, handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
         inner = _behavior(handler)

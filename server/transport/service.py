@@ -34,7 +34,7 @@ from ..admission import CallAbandoned
 from ..buffers import ResidentStorage
 from ..descriptors import MAX_COUNT
 from ..engine import BackendStarting, CallContext, Engine
-from ..errors import CapacityError
+from ..errors import CapacityError, ServerLeaving
 from ..ledger import SMALL_HOLD_BYTES
 from ..metrics import Metrics
 from ..params import check
@@ -109,8 +109,8 @@ def error_status(error: AclnnError) -> status_pb2.Status:
     if isinstance(error, CapacityError):
         code = code_pb2.RESOURCE_EXHAUSTED
         details.append(error_details_pb2.RetryInfo(retry_delay=_RETRY_AFTER))
-    elif isinstance(error, BackendStarting):
-        code = code_pb2.UNAVAILABLE  # not this call's fault, and over soon: clients retry it
+    elif isinstance(error, BackendStarting | ServerLeaving):
+        code = code_pb2.UNAVAILABLE  # not this call's fault: clients retry it (here, or on another replica)
     else:
         code = _GRPC_CODES.get(error.code, code_pb2.INTERNAL)
     packed = []
@@ -163,6 +163,13 @@ def _message_size(message: Any) -> int:
     return message.ByteSize() if hasattr(message, "ByteSize") else 0
 
 
+# What a draining server still serves whoever asks: the kept results of calls that ran (a call is not over
+# for its client until it has them), and what lets go of what a client holds.
+DRAIN_METHODS = frozenset(
+    {"DownloadTensor", "FreeTensor", "ReleaseReservation", "UnregisterRegion", "EndSession", "KeepAlive"}
+)
+
+
 class AclnnService:
     """The service's methods over the engine and storage; each takes (request, CallContext)."""
 
@@ -173,6 +180,15 @@ class AclnnService:
         self.storage = storage
         # The data channel sets this: OpenDataChannel issues its tickets.
         self.issue_ticket: Callable[[CallContext], pb.DataChannelTicket] | None = None
+        self.draining = False  # shutting down: new calls are refused (ServerLeaving), begun ones finish
+
+    def _finishing(self, name: str, request: Any, call: CallContext) -> bool:
+        """Whether a draining server still takes this request: one of DRAIN_METHODS, or a step of a call
+        begun before (an upload into, or the Run or Execute of, a live reservation)."""
+        if name in DRAIN_METHODS:
+            return True
+        reservation = getattr(request, "reservation", "")
+        return bool(reservation) and self.engine.reservations.holds(call.owner, call.session, reservation)
 
     def invoke(self, name: str, request: Any, call: CallContext, request_id: str) -> Any:
         """Runs method `name`, recording its metrics and access-log line; failures propagate.
@@ -190,6 +206,8 @@ class AclnnService:
                 # A whole message, received: its bytes are held until the reply (small ones: see SMALL_HOLD_BYTES).
                 if hasattr(request, "ByteSize") and request_size > SMALL_HOLD_BYTES:
                     call.holds.append(self.ledger.reserve(call.owner, request_size, "message", "request"))
+            if self.draining and not self._finishing(name, request, call):
+                raise ServerLeaving()
             call.stored = self.storage.touch(call.session, call.owner)
             reply = getattr(self, name)(request, call)
             return reply
@@ -534,7 +552,7 @@ class AclnnService:
             elif name in call.kept:
                 # Reserved with the call as a stored tensor; held now for as long as the array lives.
                 call.results.split(flat.nbytes, "result").follow(array)
-                handle = self.storage.add_handle(call.session, call.owner, memoryview(flat))
+                handle = self.storage.add_handle(call.session, call.owner, memoryview(flat), result=True)
                 encoded[name] = output_tensor(array, inline=False, handle=handle)
             else:
                 encoded[name] = output_tensor(array)
@@ -557,7 +575,7 @@ class AclnnService:
 
     def DownloadTensor(self, request: pb.TensorHandle, call: CallContext) -> memoryview:
         """A handle's bytes; the transport sends them (in chunks, or raw)."""
-        buffer = self.storage.handle(call.session, call.owner, request.handle)
+        buffer = self.storage.handle(call.session, call.owner, request.handle, fetched=True)
         call.bytes_out = buffer.nbytes
         return buffer
 
