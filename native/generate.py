@@ -58,15 +58,30 @@ def snake_name(op: str) -> str:
     return re.sub(r"(?<!^)(?=[A-Z])", "_", op.removeprefix("aclnn")).lower()
 
 
-def c_type(spec: ParamSpec) -> str:
+# Where CANN's own declarations (its op_api headers and operator documents) are not "a tensor it writes:
+# aclTensor *, one it reads: const aclTensor *": True is const. A program written against CANN's must
+# compile here unchanged (a const output passed to aclnnRmsNorm did not).
+CANN_CONST = {
+    ("aclnnRmsNorm", "yOut"): True,
+    ("aclnnRmsNorm", "rstdOut"): True,
+    ("aclnnRmsNormGrad", "dxOut"): True,
+    ("aclnnRmsNormGrad", "dgammaOut"): True,
+    ("aclnnBatchNormElemt", "mean"): False,
+    ("aclnnBatchNormElemt", "invstd"): False,
+    ("aclnnBatchNormElemtBackward", "counter"): False,
+}
+
+
+def c_type(op: str, spec: ParamSpec) -> str:
     if spec.kind is Kind.TENSOR:
-        return "aclTensor *" if spec.output or spec.inout else "const aclTensor *"
+        const = CANN_CONST.get((op, spec.name), not (spec.output or spec.inout))
+        return "const aclTensor *" if const else "aclTensor *"
     return C_TYPES[spec.kind]
 
 
 def prototypes(op: str, params: tuple[ParamSpec, ...]) -> tuple[str, str]:
     """The two functions' declarations (without the trailing semicolon)."""
-    args = [f"{c_type(p)}{p.name}" for p in params] + ["uint64_t *workspaceSize", "aclOpExecutor **executor"]
+    args = [f"{c_type(op, p)}{p.name}" for p in params] + ["uint64_t *workspaceSize", "aclOpExecutor **executor"]
     args = ",\n    ".join(args)
     first = f"aclnnStatus {op}GetWorkspaceSize(\n    {args})"
     second = f"aclnnStatus {op}(void *workspace, uint64_t workspaceSize, aclOpExecutor *executor, aclrtStream stream)"
