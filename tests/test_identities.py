@@ -169,8 +169,9 @@ def test_grpc_peer_strings_are_decoded(peer, parsed):
 def test_one_local_user_is_one_tenant_from_any_loopback_address(host, reached):
     """A server bound to a name or every address is told the peer's address by gRPC, not its own: a
     local user calling from 127.0.0.2, .3 and .4 was `peer:127.0.0.N` three times, three shares of each
-    limit (three times --max-tenant-executors here). Now it is its uid where the kernel can tell (it
-    reached 127.0.0.1), else one `peer:loopback` with every loopback caller nobody can be told apart."""
+    limit (three times --max-tenant-executors here). Now it is its uid: the kernel is asked for the
+    connection at 127.0.0.1 and, failing that, for one from its address and port to the server's port
+    on any loopback address (a dump it filters by the ports); and another user (root) is itself."""
     needs_root()
     insecure = ("--insecure",) if host == "0.0.0.0" else ()
     server = Server("--host", host, "--max-tenant-executors", "2", *insecure)
@@ -191,6 +192,9 @@ def test_one_local_user_is_one_tenant_from_any_loopback_address(host, reached):
                         refusals.append(exc.details())
         assert made == 2, refusals
         assert all("executor" in refusal for refusal in refusals), refusals
+        with grpc.insecure_channel(f"{reached}:{port}") as channel:  # root is root, wherever it calls
+            request = encode_call(OP, bind(OP, layer_norm_call(rng, (4, 8)), OUTPUTS).values, storage=False)
+            pb_grpc.AclnnStub(channel).GetWorkspaceSize(request, timeout=30)
     finally:
         for proc, _, _ in relays:
             proc.kill()

@@ -179,6 +179,9 @@ def peer_identity(peer: str, server_host: str, server_port: int) -> str | None:
             uid = local_socket_uid(ip, port, server, server_port)
             if uid is not None:
                 return f"uid:{uid}"
+        uid = _uid_reaching(ip, port, server_port)  # reached on another of loopback's addresses
+        if uid is not None:
+            return f"uid:{uid}"
         return LOOPBACK_PEER
     return f"peer:{ip.compressed}"
 
@@ -205,6 +208,8 @@ _NETLINK_SOCK_DIAG = 4
 _SOCK_DIAG_BY_FAMILY = 20
 _NLM_F_REQUEST = 1
 _NLMSG_ERROR = 2
+_NLMSG_DONE = 3
+_NLM_F_DUMP = 0x300
 _TCP_ESTABLISHED = 1
 _NO_COOKIE = 0xFFFFFFFF
 _HEADER = struct.Struct("=IHHII")  # nlmsghdr: length, type, flags, sequence, port id
@@ -259,6 +264,32 @@ def _established_uid(client: Any, client_port: int, server: Any, server_port: in
     return _UID.unpack_from(answer, _UID_OFFSET)[0]
 
 
+def _uid_reaching(client: Any, client_port: int, server_port: int) -> int | None:
+    """The uid owning the established socket from `client`:`client_port` to `server_port` on any loopback
+    address (a server bound to every address, reached on 127.0.1.1 or any other of 127/8): a dump the
+    kernel filters by the two ports. None when there is none, or several of different users."""
+    families = [(socket.AF_INET6, _mapped(client)), (socket.AF_INET, client)] if client.version == 4 else []
+    families = families or [(socket.AF_INET6, client)]
+    uids = set()
+    for family, source in families:
+        sockid = _PORTS.pack(client_port, server_port) + b"\0" * 32 + _TAIL.pack(0, _NO_COOKIE, _NO_COOKIE)
+        request = _REQUEST.pack(family, socket.IPPROTO_TCP, 0, 0, 1 << _TCP_ESTABLISHED) + sockid
+        for message in _dump(request):
+            if len(message) < _UID_OFFSET + _UID.size or message[_HEADER.size] != family:
+                continue
+            ports = _PORTS.unpack_from(message, _HEADER.size + 4)
+            src = message[_HEADER.size + 8 : _HEADER.size + 8 + len(source.packed)]
+            dst = message[_HEADER.size + 24 : _HEADER.size + 24 + len(source.packed)]
+            far = ipaddress.ip_address(dst)
+            if ports == (client_port, server_port) and src == source.packed and _address(str(far)).is_loopback:
+                uids.add(_UID.unpack_from(message, _UID_OFFSET)[0])
+    return uids.pop() if len(uids) == 1 else None
+
+
+def _mapped(address: ipaddress.IPv4Address) -> ipaddress.IPv6Address:
+    return ipaddress.IPv6Address(b"\0" * 10 + b"\xff\xff" + address.packed)
+
+
 class _DiagSocket:
     """A thread's netlink socket, closed with the thread's storage (one the collector closes warns)."""
 
@@ -268,6 +299,29 @@ class _DiagSocket:
 
     def __del__(self) -> None:
         self.socket.close()
+
+
+def _dump(request: bytes) -> list[bytes]:
+    """A sock_diag dump's messages (each with its header), on a netlink socket of its own; [] when the
+    kernel cannot be asked."""
+    messages: list[bytes] = []
+    try:
+        with socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, _NETLINK_SOCK_DIAG) as diag:
+            header = _HEADER.pack(_HEADER.size + len(request), _SOCK_DIAG_BY_FAMILY, _NLM_F_REQUEST | _NLM_F_DUMP, 1, 0)
+            diag.send(header + request)
+            while True:
+                answer = diag.recv(65536)
+                offset = 0
+                while offset + _HEADER.size <= len(answer):
+                    length, kind = _HEADER.unpack_from(answer, offset)[:2]
+                    if kind in (_NLMSG_DONE, _NLMSG_ERROR) or length < _HEADER.size:
+                        return messages
+                    messages.append(answer[offset : offset + length])
+                    offset += (length + 3) & ~3
+                if not answer:
+                    return messages
+    except OSError:
+        return []
 
 
 def _ask(request: bytes) -> bytes | None:
