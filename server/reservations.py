@@ -92,10 +92,12 @@ class Reservations:
 
     def holds(self, owner: str | None, session: str | None, reservation_id: str) -> bool:
         """Whether the reservation is live (its call has begun: it goes on while the server drains)."""
+        self.reap()  # a draining server's reaper has stopped: a lapsed one is no call begun
         with self._lock:
             return (owner, session, reservation_id) in self._live
 
     def __len__(self) -> int:
+        self.reap()
         with self._lock:
             return len(self._live)
 

@@ -209,7 +209,8 @@ class Storage:
     def free_handle(self, session_id: str | None, owner: str | None, handle: str) -> None:
         with self._locked():
             buffer = self._session(session_id, owner, create=False).handles.pop(handle, None)
-            self._unfetched.discard(handle)
+            if buffer is not None:
+                self._unfetched.discard(handle)
         if buffer is None:
             raise invalid_error("handle", f"tensor handle {handle[:8]}... is unknown or freed")
 

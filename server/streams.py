@@ -74,6 +74,11 @@ class StreamQueues:
         """Whether the stream has queued or running work, or a failure to report."""
         return key in self._streams  # idle streams leave the table
 
+    def __len__(self) -> int:
+        """Streams with queued or running work, or a failure to report."""
+        with self._cond:
+            return len(self._streams)
+
     def call(
         self,
         key: StreamKey,

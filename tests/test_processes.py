@@ -23,9 +23,12 @@ from oracle import assert_close
 from aclnn_client import AclnnError, Client
 from aclnn_common._proto import aclnn_pb2 as pb
 from aclnn_common._proto import aclnn_pb2_grpc as pb_grpc
+from aclnn_common.binding import bind
 from aclnn_common.framing import MAGIC, REPLY
+from aclnn_common.wire import encode_call
 
 OP = "aclnnLayerNormBackward"
+OUTPUTS = frozenset({"gradInputOut", "gradWeightOut", "gradBiasOut"})
 SYS_TGKILL = {"x86_64": 234, "aarch64": 131}.get(platform.machine())  # the syscall's number
 
 
@@ -342,3 +345,72 @@ def test_replica_pool_survives_losing_a_member():
         for proc, _ in servers:
             proc.kill()
             proc.wait()
+
+
+@pytest.mark.parametrize("data_channel", [False, True], ids=["grpc", "data channel"])
+def test_what_a_drain_still_serves_and_what_it_refuses(serve, data_channel):
+    """After SIGTERM (stop with a grace period), in process: an executor planned before runs (Execute is
+    the second phase of its call); work queued on a stream before is waited for, synchronized and read
+    back; a buffer and an executor can be freed. A new call is refused UNAVAILABLE, and so is a
+    GetWorkspaceSize naming a live reservation (only a Run or an upload takes one). Each was refused,
+    or the queued work lost when the server left at once (red-team findings)."""
+    from test_device_memory import on_device
+
+    served = serve()
+    rng = np.random.default_rng(0)
+    c = Client(served.address, data_channel=data_channel)
+    planned = layer_norm_call(rng, (4, 8))
+    _, executor = c.get_workspace_size(OP, **planned)
+    c.set_executor_repeatable(executor)
+    x = rng.standard_normal((64, 32), dtype=np.float32)
+    xb, gb, yb, rb = (c.malloc(n) for n in (x.nbytes, 128, x.nbytes, 256))
+    c.memcpy(xb, x)
+    c.memcpy(gb, np.ones(32, np.float32))
+    c.run("aclnnRmsNorm", x=on_device(xb, (64, 32)), gamma=on_device(gb, (32,)), epsilon=1e-6,
+          yOut=on_device(yb, (64, 32)), rstdOut=on_device(rb, (64, 1)), stream=1)  # fmt: skip
+    channel = grpc.insecure_channel(served.address)
+    stub, session = pb_grpc.AclnnStub(channel), (("x-aclnn-session", "tenant"),)
+    held = encode_call(OP, bind(OP, layer_norm_call(rng, (4, 8)), OUTPUTS).values)
+    reservation = stub.ReserveCall(pb.CallReservation(run=held), metadata=session, timeout=30).reservation
+    stopped = served.server.stop(30)
+    try:
+        c.execute(executor)
+        assert_close(planned["gradInputOut"], layer_norm_reference(planned)[0], np.float32)
+        c.synchronize(1)
+        y = np.empty_like(x)
+        c.memcpy(y, yb)
+        reference = x / np.sqrt((x.astype(np.float64) ** 2).mean(axis=1, keepdims=True) + 1e-6)
+        assert_close(y, reference, np.float32)
+        with pytest.raises(AclnnError) as refused:
+            c.run(OP, **layer_norm_call(rng, (4, 8)))
+        assert refused.value.grpc_code == grpc.StatusCode.UNAVAILABLE, refused.value
+        c.destroy_executor(executor)
+        for buf in (xb, gb, yb, rb):
+            c.free(buf)
+        new_plan = encode_call(OP, bind(OP, layer_norm_call(rng, (4, 8)), OUTPUTS).values)
+        new_plan.reservation = reservation  # a live reservation is no ticket for new work
+        with pytest.raises(grpc.RpcError) as refused_plan:
+            stub.GetWorkspaceSize(new_plan, metadata=session, timeout=30)
+        assert refused_plan.value.code() == grpc.StatusCode.UNAVAILABLE
+        held.reservation = reservation  # the call it was made for runs
+        stub.Run(held, metadata=session, timeout=30)
+    finally:
+        channel.close()
+        c.close()
+        stopped.wait(30)
+
+
+def test_a_result_nobody_fetches_holds_a_drain_up_for_seconds_not_the_grace(serve):
+    """A kept result whose client never downloads it (gone before its reply came, or after): once nothing
+    else is owed the drain waits for fetches only while they keep coming (two seconds without one), not
+    the whole grace period (red-team finding)."""
+    served = serve()
+    rng = np.random.default_rng(0)
+    request = encode_call(OP, bind(OP, layer_norm_call(rng, (64, 64)), OUTPUTS).values)
+    request.placements["gradInputOut"].keep_on_server = True
+    with grpc.insecure_channel(served.address) as channel:
+        reply = pb_grpc.AclnnStub(channel).Run(request, metadata=(("x-aclnn-session", "gone"),), timeout=30)
+    assert reply.outputs["gradInputOut"].handle and served.server.storage.unfetched == 1
+    started = time.monotonic()
+    assert served.server.stop(60).wait(30)
+    assert 1.5 < time.monotonic() - started < 10

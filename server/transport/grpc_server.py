@@ -55,6 +55,8 @@ def with_request_id(status: grpc.Status, request_id: str) -> grpc.Status:
 
 
 _STREAM_ID = re.compile(r"-?[0-9]{1,19}")
+# How long a draining server waits for kept results to be fetched once nothing else is owed, while none is.
+_FETCH_WAIT_S = 2.0
 
 
 def stream_id(text: str | None) -> int | None:
@@ -438,8 +440,8 @@ class AclnnServer:
         stopped = threading.Event()
 
         def release() -> None:
-            while grace is not None and time.monotonic() < deadline and not self._settled():
-                time.sleep(0.02)
+            if grace is not None:
+                self._settle(deadline)
             left = None if grace is None else max(0.0, deadline - time.monotonic())
             if self.data_channel is not None:
                 self.data_channel.stop(left)
@@ -455,11 +457,23 @@ class AclnnServer:
         threading.Thread(target=release, name="aclnn-release", daemon=True).start()
         return stopped
 
-    def _settled(self) -> bool:
-        """Nothing a client still waits for: no call in flight on either transport, no call begun (a live
-        reservation), no kept result unfetched."""
-        busy = self.call_limit.active or (self.data_channel is not None and self.data_channel.busy)
-        return not busy and not len(self.engine.reservations) and not self.storage.unfetched
+    def _settle(self, deadline: float) -> None:
+        """Returns once nothing is owed, or at `deadline`: no call in flight on either transport, none
+        begun (a live reservation), no work queued on a stream, and no kept result unfetched, or none
+        fetched for _FETCH_WAIT_S (a client that got its reply fetches at once: one that never will, as
+        one gone before its reply came, holds nothing up for long)."""
+        unfetched, fetched_at = None, time.monotonic()
+        while time.monotonic() < deadline:
+            busy = self.call_limit.active or (self.data_channel is not None and self.data_channel.busy)
+            if busy or len(self.engine.reservations) or len(self.engine.streams):
+                fetched_at = time.monotonic()
+            else:
+                left = self.storage.unfetched
+                if not left or time.monotonic() - fetched_at > _FETCH_WAIT_S:
+                    return
+                if left != unfetched:
+                    unfetched, fetched_at = left, time.monotonic()
+            time.sleep(0.02)
 
     def reload(self) -> None:
         """SIGHUP: reads --auth-token-file again (tokens rotate without a restart); a file that does not

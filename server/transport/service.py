@@ -163,11 +163,29 @@ def _message_size(message: Any) -> int:
     return message.ByteSize() if hasattr(message, "ByteSize") else 0
 
 
-# What a draining server still serves whoever asks: the kept results of calls that ran (a call is not over
-# for its client until it has them), and what lets go of what a client holds.
+# What a draining server still serves whoever asks: the second phase of a call planned before (Execute of
+# its executor), what calls that ran owe their clients (kept results, the work queued on a stream and
+# device memory's contents), what lets go of what a client holds, and what a client needs to ask for
+# those (the operators' parameters, a data-channel ticket: the calls over it pass this same gate).
 DRAIN_METHODS = frozenset(
-    {"DownloadTensor", "FreeTensor", "ReleaseReservation", "UnregisterRegion", "EndSession", "KeepAlive"}
+    {
+        "ListOperators",
+        "OpenDataChannel",
+        "Execute",
+        "DownloadTensor",
+        "Synchronize",
+        "ReadBuffer",
+        "FreeTensor",
+        "FreeBuffer",
+        "DestroyExecutor",
+        "ReleaseReservation",
+        "UnregisterRegion",
+        "EndSession",
+        "KeepAlive",
+    }
 )
+# The requests that take a reservation's memory: a step of a call begun before the drain.
+_RESERVED_STEPS = frozenset({"Run", "Execute", "UploadTensor"})
 
 
 class AclnnService:
@@ -184,10 +202,10 @@ class AclnnService:
 
     def _finishing(self, name: str, request: Any, call: CallContext) -> bool:
         """Whether a draining server still takes this request: one of DRAIN_METHODS, or a step of a call
-        begun before (an upload into, or the Run or Execute of, a live reservation)."""
-        if name in DRAIN_METHODS:
-            return True
-        reservation = getattr(request, "reservation", "")
+        begun before (an upload into, or the Run of, a live reservation)."""
+        if name in DRAIN_METHODS or (name == "ReserveCall" and request.HasField("execute")):
+            return True  # (an Execute's memory: the second phase of a call planned before)
+        reservation = getattr(request, "reservation", "") if name in _RESERVED_STEPS else ""
         return bool(reservation) and self.engine.reservations.holds(call.owner, call.session, reservation)
 
     def invoke(self, name: str, request: Any, call: CallContext, request_id: str) -> Any:
