@@ -5,13 +5,14 @@ caller's arrays attached (grpc_client._AttachedRepeat), and served from the firs
 
 from __future__ import annotations
 
+import os
+
 import batch_norm_forward_cases as bn
 import numpy as np
 import pytest
 import torch
 from layer_norm_cases import layer_norm_call, layer_norm_reference
 from oracle import assert_close
-from test_transport import wait_for
 
 import aclnn_client.grpc_client
 from aclnn_client import Client
@@ -102,11 +103,13 @@ def test_with_several_backends_calls_are_spread_not_repeated(serve, rng):
 
 
 def test_a_repeat_whose_regions_the_server_lost_goes_the_full_way(serve, rng, binds):
-    served = serve(session_ttl_s=0.3)
+    served = serve()
     with Client(served.address, shared_memory=True) as c:
         p = layer_norm_call(rng, (32, 512))
         c.run(OP, **p)
-        wait_for(lambda: served.server.storage.counts()[1] == 0)  # the lease lapsed: regions gone
+        # The server loses the session's regions, as to a lease that lapsed while the client slept
+        served.server.storage.end(c._base_metadata[0][1], f"uid:{os.getuid()}")
+        assert served.server.storage.counts()[1] == 0
         p = layer_norm_call(rng, (32, 512))
         c.run(OP, **p)  # refused as a repeat (161002, region): bound and registered again
         check(p)
