@@ -175,6 +175,23 @@ def test_a_port_in_use_is_named_with_its_flag(flag):
     assert f"--host 127.0.0.1 {flag} {port}: " in error and "Address already in use" in error, error
 
 
+def test_localhost_does_not_share_a_port_held_on_one_of_its_addresses():
+    """--host localhost is 127.0.0.1 and ::1 to gRPC, which binds those it can and only logs the others:
+    a server started while another process listened on [::1]:PORT took 127.0.0.1:PORT and shared the
+    port with it (red-team finding). It now refuses to start, naming the address."""
+    if not socket.has_ipv6:
+        pytest.skip("no IPv6 here")
+    with socket.socket(socket.AF_INET6) as taken:
+        try:
+            taken.bind(("::1", 0))
+        except OSError:
+            pytest.skip("no ::1 here")
+        taken.listen()
+        port = taken.getsockname()[1]
+        error = cannot_start("--host", "localhost", "--port", str(port))
+    assert f"--host localhost --port {port}: port {port} of ::1 is another process's" in error, error
+
+
 @pytest.mark.parametrize(
     "path,reason", [("/nonexistent/dir/x.sock", "No such file or directory"), ("{bad}/plain", "is not a socket")]
 )

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import functools
+import ipaddress
 import itertools
 import logging
+import os
+import pathlib
 import re
 import socket
 import ssl
@@ -285,6 +288,48 @@ def _bind_failure(host: str, port: int) -> str:
     return "gRPC could not bind it"
 
 
+def _listening_elsewhere(host: str, port: int) -> list[str]:
+    """The addresses a name stands for (localhost: 127.0.0.1 and ::1, as gRPC's resolver has it) whose
+    listening socket on `port` is another process's, as this host's kernel tables say (Linux; elsewhere
+    none is found). An address literal or a wildcard is bound whole or not at all: nothing to check."""
+    try:
+        ipaddress.ip_address(host)
+        return []
+    except ValueError:
+        pass
+    if host == "localhost":
+        wanted = {"127.0.0.1", "::1"}
+    else:
+        try:
+            wanted = {info[4][0] for info in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)}
+        except OSError:
+            return []
+    try:
+        fds = os.listdir("/proc/self/fd")
+    except OSError:
+        return []
+    ours = set()
+    for fd in fds:
+        try:
+            ours.add(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:
+            continue  # closed since (the listing's own descriptor among them)
+    listeners: dict[str, set[str]] = {}
+    for table, width in (("/proc/net/tcp", 8), ("/proc/net/tcp6", 32)):
+        try:
+            lines = pathlib.Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            address, _, local_port = fields[1].partition(":")
+            if fields[3] != "0A" or int(local_port, 16) != port or len(address) != width:  # 0A: LISTEN
+                continue
+            raw = b"".join(bytes.fromhex(address[i : i + 8])[::-1] for i in range(0, width, 8))
+            listeners.setdefault(ipaddress.ip_address(raw).compressed, set()).add(f"socket:[{fields[9]}]")
+    return sorted(a for a in wanted if listeners.get(a) and not listeners[a] & ours)
+
+
 def _read(path: Any) -> bytes | None:
     return None if path is None else open(path, "rb").read()
 
@@ -370,6 +415,12 @@ class AclnnServer:
                     self.port = self.grpc.add_insecure_port(address)
             except RuntimeError:  # gRPC's says only "failed to bind": the system's reason
                 raise OSError(f"cannot listen there ({_bind_failure(options.host, options.port)})") from None
+            taken = _listening_elsewhere(options.host, self.port)
+            if taken:  # gRPC binds what it can of a name's addresses and only logs the rest
+                self.grpc.stop(None)
+                raise OSError(
+                    f"port {self.port} of {', '.join(taken)} is another process's: a second server would share it"
+                )
         self.identities.port = self.port
         unix_socket = None if options.unix_socket in ("", "off") else options.unix_socket
         self.data_channel = (
