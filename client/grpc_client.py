@@ -57,6 +57,8 @@ _BACKOFF_S = 0.05
 # of its session's lease (sooner for a server whose lease is shorter: see Client._renew).
 _KEEPALIVE_S = 10.0
 _MIN_RENEWAL_S = 0.05  # however short a server's lease, renewals are no busy loop
+# The most a thread keeps to receive kept results into between its calls (see _Transfers.scratch).
+_SCRATCH_BYTES = 64 << 20
 # Balanced channels spread stateless calls over every backend the name resolves to.
 _SERVICE_CONFIG = '{"loadBalancingConfig": [{"round_robin": {}}]}'
 # The default inline limits (max_inline_bytes None). Over gRPC a message's cost grows faster than its
@@ -855,6 +857,17 @@ class _Transfers:
         self.reserve, self.release_reservation = client._reserve, client._release_reservation
         self.region, self.retire, self.release = client._region, client._retire, client._regions.release
         self.keep = client._keep_staged
+        self._scratch = threading.local()
+
+    def scratch(self, nbytes: int) -> np.ndarray:
+        """Each thread's own bytes to receive kept results into, reused by its next call (a fresh array's
+        pages cost a large download as much as the copy out of it); above _SCRATCH_BYTES a fresh array."""
+        if nbytes > _SCRATCH_BYTES:
+            return np.empty(nbytes, np.uint8)
+        held = getattr(self._scratch, "bytes", None)
+        if held is None or held.nbytes < nbytes:
+            held = self._scratch.bytes = np.empty(nbytes, np.uint8)
+        return held[:nbytes]
 
     def attaches(self, replica: int) -> bool:
         return self._channel(replica) is not None

@@ -59,6 +59,9 @@ class Transfers(Protocol):
     def download(self, replica: int, handle: str, view: np.ndarray) -> None:
         """Writes a result kept on the replica into `view`."""
 
+    def scratch(self, nbytes: int) -> np.ndarray:
+        """`nbytes` (uint8) to receive a call's kept results into before they are written to its outputs."""
+
     def free(self, replica: int, handle: str) -> None:
         """Frees a handle (best effort: the session's lease ends it otherwise)."""
 
@@ -250,10 +253,17 @@ class Staging:
         straight into the caller's output: a download cut off midway (the server stopped, the connection
         lost) fails the call with its outputs unwritten, and the call can be run again elsewhere."""
         results: dict[str, np.ndarray] = {}
+        kept = {name: output for name, output in outputs.items() if output.handle}
+        sizes = {name: math.prod(o.dims) * numpy_dtype(o.data_type).itemsize for name, o in kept.items()}
+        scratch, offset = self.transfers.scratch(sum(aligned(size) for size in sizes.values())), 0
         for name, output in outputs.items():
             if output.handle:
                 self.handles.append((replica, output.handle))
-                received = np.empty(tuple(output.dims), numpy_dtype(output.data_type))
+                size = sizes[name]
+                received = (
+                    scratch[offset : offset + size].view(numpy_dtype(output.data_type)).reshape(tuple(output.dims))
+                )
+                offset += aligned(size)
                 self.transfers.download(replica, output.handle, received)
                 results[name] = received
             elif name in self.output_regions:

@@ -33,6 +33,7 @@ class Reservation:
     holds: dict[str, Hold]  # by kind: "upload" (what uploads take), "call" and "result" (what the call takes)
     uploads: list[int]  # sizes of the uploads still to come
     expires: float = field(default=0.0)
+    method: str = "Run"  # the call it is for: "Run" or "Execute" (a draining server admits no other with it)
 
     def release(self) -> None:
         for hold in self.holds.values():
@@ -49,14 +50,22 @@ class Reservations:
         self._by_session: dict[tuple[str | None, str | None], set[str]] = {}
         self._lock = threading.Lock()
 
-    def add(self, owner: str | None, session: str | None, holds: dict[str, Hold], uploads: Sequence[int]) -> str:
-        """Keeps granted holds as a reservation; returns its id."""
+    def add(
+        self,
+        owner: str | None,
+        session: str | None,
+        holds: dict[str, Hold],
+        uploads: Sequence[int],
+        method: str = "Run",
+    ) -> str:
+        """Keeps granted holds as a reservation for a `method` call; returns its id."""
         reservation_id = secrets.token_hex(16)
         with self._lock:
             expired = self._expire()
             refused = self._per_identity[owner] >= MAX_PER_IDENTITY
             if not refused:
-                self._live[(owner, session, reservation_id)] = Reservation(holds, list(uploads), self._clock() + TTL_S)
+                reservation = Reservation(holds, list(uploads), self._clock() + TTL_S, method)
+                self._live[(owner, session, reservation_id)] = reservation
                 self._per_identity[owner] += 1
                 self._by_session.setdefault((owner, session), set()).add(reservation_id)
         _release(expired)
@@ -90,11 +99,13 @@ class Reservations:
             )
         return hold
 
-    def holds(self, owner: str | None, session: str | None, reservation_id: str) -> bool:
-        """Whether the reservation is live (its call has begun: it goes on while the server drains)."""
+    def holds(self, owner: str | None, session: str | None, reservation_id: str, method: str | None = None) -> bool:
+        """Whether the reservation is live (its call has begun: it goes on while the server drains), and
+        for a `method` call when one is named."""
         self.reap()  # a draining server's reaper has stopped: a lapsed one is no call begun
         with self._lock:
-            return (owner, session, reservation_id) in self._live
+            reservation = self._live.get((owner, session, reservation_id))
+        return reservation is not None and method in (None, reservation.method)
 
     def __len__(self) -> int:
         self.reap()

@@ -74,10 +74,10 @@ class StreamQueues:
         """Whether the stream has queued or running work, or a failure to report."""
         return key in self._streams  # idle streams leave the table
 
-    def __len__(self) -> int:
-        """Streams with queued or running work, or a failure to report."""
+    def working(self) -> int:
+        """Streams with queued or running work (a failure waiting to be reported is none)."""
         with self._cond:
-            return len(self._streams)
+            return sum(1 for stream in self._streams.values() if stream.items or stream.busy)
 
     def call(
         self,

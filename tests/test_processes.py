@@ -352,8 +352,9 @@ def test_what_a_drain_still_serves_and_what_it_refuses(serve, data_channel):
     """After SIGTERM (stop with a grace period), in process: an executor planned before runs (Execute is
     the second phase of its call); work queued on a stream before is waited for, synchronized and read
     back; a buffer and an executor can be freed. A new call is refused UNAVAILABLE, and so is a
-    GetWorkspaceSize naming a live reservation (only a Run or an upload takes one). Each was refused,
-    or the queued work lost when the server left at once (red-team findings)."""
+    GetWorkspaceSize naming a live reservation (only a Run or an upload takes one), and a Run naming a
+    reservation made for an Execute. Each was refused, or the queued work lost when the server left at
+    once, or new work admitted (red-team findings)."""
     from test_device_memory import on_device
 
     served = serve()
@@ -372,6 +373,8 @@ def test_what_a_drain_still_serves_and_what_it_refuses(serve, data_channel):
     stub, session = pb_grpc.AclnnStub(channel), (("x-aclnn-session", "tenant"),)
     held = encode_call(OP, bind(OP, layer_norm_call(rng, (4, 8)), OUTPUTS).values)
     reservation = stub.ReserveCall(pb.CallReservation(run=held), metadata=session, timeout=30).reservation
+    raw_plan = encode_call(OP, bind(OP, layer_norm_call(rng, (4, 8)), OUTPUTS).values)
+    raw_executor = stub.GetWorkspaceSize(raw_plan, metadata=session, timeout=30).executor
     stopped = served.server.stop(30)
     try:
         c.execute(executor)
@@ -392,12 +395,18 @@ def test_what_a_drain_still_serves_and_what_it_refuses(serve, data_channel):
         with pytest.raises(grpc.RpcError) as refused_plan:
             stub.GetWorkspaceSize(new_plan, metadata=session, timeout=30)
         assert refused_plan.value.code() == grpc.StatusCode.UNAVAILABLE
+        for_execute = pb.CallReservation(execute=pb.ExecuteRequest(executor=raw_executor))
+        new_plan.reservation = stub.ReserveCall(for_execute, metadata=session, timeout=30).reservation
+        with pytest.raises(grpc.RpcError) as refused_run:  # a reservation for an Execute runs no new Run
+            stub.Run(new_plan, metadata=session, timeout=30)
+        assert refused_run.value.code() == grpc.StatusCode.UNAVAILABLE
+        stub.ReleaseReservation(pb.Reservation(reservation=new_plan.reservation), metadata=session, timeout=30)
         held.reservation = reservation  # the call it was made for runs
         stub.Run(held, metadata=session, timeout=30)
     finally:
         channel.close()
         c.close()
-        stopped.wait(30)
+    assert stopped.wait(10)  # nothing owed any more: the drain settles well before its grace
 
 
 def test_a_result_nobody_fetches_holds_a_drain_up_for_seconds_not_the_grace(serve):

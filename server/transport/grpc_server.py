@@ -509,14 +509,14 @@ class AclnnServer:
         return stopped
 
     def _settle(self, deadline: float) -> None:
-        """Returns once nothing is owed, or at `deadline`: no call in flight on either transport, none
-        begun (a live reservation), no work queued on a stream, and no kept result unfetched, or none
-        fetched for _FETCH_WAIT_S (a client that got its reply fetches at once: one that never will, as
-        one gone before its reply came, holds nothing up for long)."""
+        """Returns once nothing is owed, or at `deadline`: no call being served on either transport (those
+        refused as the server leaves do not count), none begun (a live reservation), no work queued on a
+        stream, and no kept result unfetched, or none fetched for _FETCH_WAIT_S (a client that got its
+        reply fetches at once: one that never will, as one gone before its reply came, holds nothing up
+        for long; a failure on a stream nobody synchronizes holds nothing up at all)."""
         unfetched, fetched_at = None, time.monotonic()
         while time.monotonic() < deadline:
-            busy = self.call_limit.active or (self.data_channel is not None and self.data_channel.busy)
-            if busy or len(self.engine.reservations) or len(self.engine.streams):
+            if self.service.in_flight or len(self.engine.reservations) or self.engine.streams.working():
                 fetched_at = time.monotonic()
             else:
                 left = self.storage.unfetched

@@ -14,9 +14,10 @@ import logging
 import math
 import re
 import secrets
+import threading
 import time
 import traceback
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Protocol
 
 import numpy as np
@@ -199,6 +200,23 @@ class AclnnService:
         # The data channel sets this: OpenDataChannel issues its tickets.
         self.issue_ticket: Callable[[CallContext], pb.DataChannelTicket] | None = None
         self.draining = False  # shutting down: new calls are refused (ServerLeaving), begun ones finish
+        self._in_flight, self._in_flight_lock = 0, threading.Lock()
+
+    @property
+    def in_flight(self) -> int:
+        """Calls being served now, on either transport (refused ones are not counted)."""
+        with self._in_flight_lock:
+            return self._in_flight
+
+    @contextlib.contextmanager
+    def _counted(self) -> Iterator[None]:
+        with self._in_flight_lock:
+            self._in_flight += 1
+        try:
+            yield
+        finally:
+            with self._in_flight_lock:
+                self._in_flight -= 1
 
     def _finishing(self, name: str, request: Any, call: CallContext) -> bool:
         """Whether a draining server still takes this request: one of DRAIN_METHODS, or a step of a call
@@ -206,7 +224,8 @@ class AclnnService:
         if name in DRAIN_METHODS or (name == "ReserveCall" and request.HasField("execute")):
             return True  # (an Execute's memory: the second phase of a call planned before)
         reservation = getattr(request, "reservation", "") if name in _RESERVED_STEPS else ""
-        return bool(reservation) and self.engine.reservations.holds(call.owner, call.session, reservation)
+        method = "Run" if name == "Run" else None  # a reservation made for an Execute runs no Run
+        return bool(reservation) and self.engine.reservations.holds(call.owner, call.session, reservation, method)
 
     def invoke(self, name: str, request: Any, call: CallContext, request_id: str) -> Any:
         """Runs method `name`, recording its metrics and access-log line; failures propagate.
@@ -226,8 +245,9 @@ class AclnnService:
                     call.holds.append(self.ledger.reserve(call.owner, request_size, "message", "request"))
             if self.draining and not self._finishing(name, request, call):
                 raise ServerLeaving()
-            call.stored = self.storage.touch(call.session, call.owner)
-            reply = getattr(self, name)(request, call)
+            with self._counted():
+                call.stored = self.storage.touch(call.session, call.owner)
+                reply = getattr(self, name)(request, call)
             return reply
         except Exception as exc:
             status = failure_status(exc)[1]
@@ -364,7 +384,8 @@ class AclnnService:
             placed(request.execute.placements, call)
             call.executor = request.execute.executor
             holds, sizes = self.engine.reserve(call, request.uploads, in_place=request.in_place)
-        reservation = self.engine.reservations.add(call.owner, call.session, holds, sizes)
+        method = "Run" if request.HasField("run") else "Execute"
+        reservation = self.engine.reservations.add(call.owner, call.session, holds, sizes, method)
         self._still_in(session, lambda: self.engine.reservations.release(call.owner, call.session, reservation))
         return pb.Reservation(reservation=reservation, bytes=sum(hold.nbytes for hold in holds.values()))
 

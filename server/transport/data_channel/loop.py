@@ -199,12 +199,6 @@ class DataChannelServer:
             conn.let_go()
 
     @property
-    def busy(self) -> int:
-        """Requests being served now."""
-        with self._lock:
-            return self._busy_total
-
-    @property
     def open_connections(self) -> int:
         """Admitted connections (connections still in their handshake are not counted)."""
         with self._lock:
