@@ -30,7 +30,7 @@ from aclnn_common.types import numpy_dtype
 from aclnn_common.wire import decode_error, encode_call
 
 from .data_channel import UNSAID_MAILBOX_MAX_BYTES, Attachments, DataChannel, NoConnection
-from .pool import RECONNECT_WAIT_S, Pool, data_channel_host, is_loopback, parse_target
+from .pool import RECONNECT_WAIT_S, Pool, data_channel_host, grpc_unavailable, is_loopback, parse_target
 from .regions import Region, RegionPool
 from .staging import StagedLayout, Staging
 from .tls import check_token, settings
@@ -263,6 +263,8 @@ class Client(BaseClient):
         try:
             return getattr(stub, method)(request, metadata=self._metadata(stream), timeout=self._timeout)
         except grpc.RpcError as error:
+            if error.code() == grpc.StatusCode.CANCELLED:  # this client cancels none: the server ended it
+                raise grpc_unavailable(f"the server ended the call as it stopped ({error.details()})") from None
             raise decode_error(error) from None
 
     def _call_any(
