@@ -36,6 +36,11 @@ _config_file: contextvars.ContextVar[pathlib.Path | None] = contextvars.ContextV
 _MAX_SECONDS = 2_000_000.0
 
 
+def _seconds(default: float, description: str, *, gt: float | None = None, ge: float | None = None) -> Any:
+    """A duration option: a finite number of seconds, at most _MAX_SECONDS, above `gt` or from `ge`."""
+    return Field(default, gt=gt, ge=ge, le=_MAX_SECONDS, allow_inf_nan=False, description=description)
+
+
 class ServerOptions(BaseSettings):
     """Every server option; the field name is the flag (--max-queue) and the variable (ACLNN_MAX_QUEUE)."""
 
@@ -68,20 +73,14 @@ class ServerOptions(BaseSettings):
     data_max_handshakes: int = Field(
         64, ge=1, description="data-channel connections not yet admitted by a ticket; beyond: new ones closed at once"
     )
-    data_handshake_timeout_s: float = Field(
+    data_handshake_timeout_s: float = _seconds(
         5.0,
-        gt=0,
-        le=_MAX_SECONDS,
-        allow_inf_nan=False,
-        description="seconds a data-channel connection has to present its ticket (TLS included); "
+        "seconds a data-channel connection has to present its ticket (TLS included); "
         "also each request's allowance, plus 1 s per MiB",
-    )
-    data_idle_timeout_s: float = Field(
-        60.0,
         gt=0,
-        le=_MAX_SECONDS,
-        allow_inf_nan=False,
-        description="seconds an admitted data-channel connection may stay idle before it is closed",
+    )
+    data_idle_timeout_s: float = _seconds(
+        60.0, "seconds an admitted data-channel connection may stay idle before it is closed", gt=0
     )
     metrics_port: int = Field(0, ge=0, le=65535, description="Prometheus /metrics port; 0 = off")
     tls_cert: pathlib.Path | None = Field(None, description="server certificate chain (PEM)")
@@ -125,31 +124,15 @@ class ServerOptions(BaseSettings):
         description="gRPC calls one identity may have in progress (default: half of the server's call cap, "
         "--max-concurrency + --max-queue + 4); beyond: RESOURCE_EXHAUSTED at once",
     )
-    executor_ttl_s: float = Field(
-        300.0,
-        gt=0,
-        le=_MAX_SECONDS,
-        allow_inf_nan=False,
-        description="seconds before a never-executed executor expires",
-    )
+    executor_ttl_s: float = _seconds(300.0, "seconds before a never-executed executor expires", gt=0)
     max_executors: int = Field(4096, ge=1, description="executors alive at once")
-    session_ttl_s: float = Field(
-        60.0,
-        gt=0,
-        le=_MAX_SECONDS,
-        allow_inf_nan=False,
-        description="seconds a client session's tensors and regions outlive its last call",
-    )
-    grace_period_s: float = Field(
-        10.0, ge=0, le=_MAX_SECONDS, allow_inf_nan=False, description="seconds in-flight calls get to finish on SIGTERM"
-    )
-    max_connection_age_s: float = Field(
+    session_ttl_s: float = _seconds(60.0, "seconds a client session's tensors and regions outlive its last call", gt=0)
+    grace_period_s: float = _seconds(10.0, "seconds in-flight calls get to finish on SIGTERM", ge=0)
+    max_connection_age_s: float = _seconds(
         300.0,
-        ge=0.001,  # gRPC takes whole milliseconds: less would be 0, a GOAWAY at once
-        le=_MAX_SECONDS,
-        allow_inf_nan=False,
-        description="seconds before the server asks a client to reconnect its gRPC connection (GOAWAY), so "
+        "seconds before the server asks a client to reconnect its gRPC connection (GOAWAY), so "
         "that clients resolving a DNS name spread onto replicas added since",
+        ge=0.001,  # gRPC takes whole milliseconds: less would be 0, a GOAWAY at once
     )
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="logging level")
 
