@@ -253,17 +253,14 @@ class Staging:
         straight into the caller's output: a download cut off midway (the server stopped, the connection
         lost) fails the call with its outputs unwritten, and the call can be run again elsewhere."""
         results: dict[str, np.ndarray] = {}
-        kept = {name: output for name, output in outputs.items() if output.handle}
-        sizes = {name: math.prod(o.dims) * numpy_dtype(o.data_type).itemsize for name, o in kept.items()}
+        sizes = {n: math.prod(o.dims) * numpy_dtype(o.data_type).itemsize for n, o in outputs.items() if o.handle}
         scratch, offset = self.transfers.scratch(sum(aligned(size) for size in sizes.values())), 0
         for name, output in outputs.items():
             if output.handle:
                 self.handles.append((replica, output.handle))
-                size = sizes[name]
-                received = (
-                    scratch[offset : offset + size].view(numpy_dtype(output.data_type)).reshape(tuple(output.dims))
-                )
-                offset += aligned(size)
+                taken = scratch[offset : offset + sizes[name]]
+                received = taken.view(numpy_dtype(output.data_type)).reshape(tuple(output.dims))
+                offset += aligned(sizes[name])
                 self.transfers.download(replica, output.handle, received)
                 results[name] = received
             elif name in self.output_regions:

@@ -21,12 +21,12 @@ MIN_PING_INTERVAL_S = 1
 TCP_IDLE_S, TCP_INTERVAL_S, TCP_PROBES = 30, 10, 3
 
 
-def grpc_client_options(ping_s: float = CLIENT_PING_S, timeout_s: float = PING_TIMEOUT_S) -> list[tuple[str, int]]:
+def grpc_client_options() -> list[tuple[str, int]]:
     return [
-        ("grpc.keepalive_time_ms", int(ping_s * 1000)),
-        ("grpc.keepalive_timeout_ms", int(timeout_s * 1000)),
+        ("grpc.keepalive_time_ms", CLIENT_PING_S * 1000),
+        ("grpc.keepalive_timeout_ms", PING_TIMEOUT_S * 1000),
         # Any ping in flight, not only keepalive's, waits this long for its answer (gRPC's default: a minute).
-        ("grpc.http2.ping_timeout_ms", int(timeout_s * 1000)),
+        ("grpc.http2.ping_timeout_ms", PING_TIMEOUT_S * 1000),
         ("grpc.keepalive_permit_without_calls", 0),  # an idle connection costs the server nothing to keep
         ("grpc.http2.max_pings_without_data", 0),  # gRPC's default stops pinging a quiet call after two
     ]

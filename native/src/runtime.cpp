@@ -138,8 +138,8 @@ Connection *connect()
         else
             c->token = token;
     }
-    double ping_s = kPingS;
-    if (!seconds_setting("ACLNN_REMOTE_PING_S", kPingS, &ping_s, &c->config_error)) ping_s = kPingS;
+    double ping_s;  // the default when the setting is unusable (then aclInit fails, naming it)
+    seconds_setting("ACLNN_REMOTE_PING_S", kPingS, &ping_s, &c->config_error);
     grpc::ChannelArguments arguments;
     // A token in clear goes straight to the server, never through an HTTP proxy, which would read it.
     if (!c->token.empty() && roots.empty() && environment("ACLNN_REMOTE_TLS") != "1")

@@ -238,13 +238,13 @@ class AclnnService:
         # What the transport counted when it received the request whole (no ByteSize: it serializes the message).
         request_size = call.bytes_in or _message_size(request)
         try:
+            if self.draining and not self._finishing(name, request, call):  # before it takes any memory
+                raise ServerLeaving()
             if call.holds is None:  # a transport that reserved its request's bytes before receiving them sets holds
                 call.holds = []
                 # A whole message, received: its bytes are held until the reply (small ones: see SMALL_HOLD_BYTES).
                 if hasattr(request, "ByteSize") and request_size > SMALL_HOLD_BYTES:
                     call.holds.append(self.ledger.reserve(call.owner, request_size, "message", "request"))
-            if self.draining and not self._finishing(name, request, call):
-                raise ServerLeaving()
             with self._counted():
                 call.stored = self.storage.touch(call.session, call.owner)
                 reply = getattr(self, name)(request, call)

@@ -147,7 +147,7 @@ class DataChannelServer:
             self._made_directory = tempfile.mkdtemp(prefix=_AUTO_PREFIX)
             # Others may reach the socket (tickets authenticate them) but not list or add files here.
             os.chmod(self._made_directory, 0o711)
-            path = os.path.join(self._made_directory, "data.sock")
+            path = os.path.join(self._made_directory, _AUTO_SOCKET)
         else:
             path = os.path.abspath(setting)
             _remove_stale_socket(path)
@@ -581,7 +581,7 @@ def _local_user(conn: Connection) -> str | None:
     return None if uid is None else f"uid:{uid}"
 
 
-_AUTO_PREFIX = "aclnn-serve-"
+_AUTO_PREFIX, _AUTO_SOCKET = "aclnn-serve-", "data.sock"  # --unix-socket auto's directory and socket
 _STALE_AFTER_S = 60.0  # younger, a directory may be a server's that is still starting (not listening yet)
 
 
@@ -600,9 +600,9 @@ def _remove_stale_directories() -> None:
             info = os.lstat(directory)
             if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
                 continue
-            if time.time() - info.st_mtime < _STALE_AFTER_S or os.listdir(directory) != ["data.sock"]:
+            if time.time() - info.st_mtime < _STALE_AFTER_S or os.listdir(directory) != [_AUTO_SOCKET]:
                 continue
-            _remove_stale_socket(os.path.join(directory, "data.sock"))  # refuses a socket someone listens on
+            _remove_stale_socket(os.path.join(directory, _AUTO_SOCKET))  # refuses a socket someone listens on
             os.rmdir(directory)
         except OSError:
             continue  # alive, changed meanwhile, or not ours to remove
